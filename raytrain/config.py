@@ -1,0 +1,324 @@
+"""The typed config tree: YAML recipes in, dotted overrides on top, validated once, saved with every run.
+
+The same dotted keys (`optim.lr`, `batch.micro_batch_size`) are used on the command line, in Tune
+search spaces and in saved checkpoints, so there is exactly one vocabulary for a run's settings.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from raytrain.errors import UserError
+
+RECIPES_DIR = Path(__file__).parent / "recipes"
+
+
+class _Section(BaseModel):
+    # strict: "4" is not an int and 1.5 is not an int; unknown keys are errors, not silently ignored.
+    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    """Transformer shape. Built with `transformers` config classes, random init, no hub access."""
+
+    family: Literal["gpt2", "llama"] = "gpt2"
+    n_layer: int = Field(2, ge=1)
+    hidden_size: int = Field(128, ge=8)
+    n_head: int = Field(4, ge=1)
+    n_kv_head: Optional[int] = Field(None, ge=1, description="llama only: grouped-query KV heads")
+    intermediate_size: Optional[int] = Field(None, ge=1, description="MLP width; default 4x (gpt2) or ~8/3x (llama)")
+    seq_len: int = Field(128, ge=2)
+    vocab_size: Optional[int] = Field(None, ge=2, description="None: taken from the dataset's tokenizer")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    tie_embeddings: bool = True
+    init_std: float = Field(0.02, gt=0.0)
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    activation_checkpointing: bool = False
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> "ModelConfig":
+        if self.hidden_size % self.n_head:
+            raise ValueError(f"model.hidden_size={self.hidden_size} must be divisible by model.n_head={self.n_head}")
+        if self.n_kv_head is not None and self.n_head % self.n_kv_head:
+            raise ValueError(f"model.n_head={self.n_head} must be divisible by model.n_kv_head={self.n_kv_head}")
+        return self
+
+
+class DataConfig(_Section):
+    """Prepared datasets (see `raytrain prepare`): each URI is a split directory holding manifest.json."""
+
+    train: Optional[str] = Field(None, description="URI of the prepared train split (dir with manifest.json)")
+    val: Optional[str] = Field(None, description="URI of the prepared validation split; None: no validation")
+    format: Literal["parquet"] = "parquet"
+    shuffle: bool = True
+    shuffle_window: int = Field(4096, ge=1, description="rows shuffled together; shard order is shuffled too")
+    prefetch_batches: int = Field(2, ge=0)
+    eval_samples: int = Field(512, ge=1, description="validation sequences per evaluation (from the start of val)")
+
+
+class BatchConfig(_Section):
+    """Global batch = micro_batch_size x gradient_accumulation_steps x num_workers (sequences)."""
+
+    micro_batch_size: int = Field(8, ge=1)
+    gradient_accumulation_steps: Optional[int] = Field(1, ge=1, description="None: derived from global_batch_size")
+    global_batch_size: Optional[int] = Field(None, ge=1, description="If set, checked (or used to derive accumulation)")
+
+
+class OptimConfig(_Section):
+    """AdamW and its schedule (linear warmup, then cosine / linear decay to min_lr_ratio * lr)."""
+
+    lr: float = Field(3e-4, gt=0.0)
+    betas: list[float] = Field(default_factory=lambda: [0.9, 0.95], min_length=2, max_length=2)
+    eps: float = Field(1e-8, gt=0.0)
+    weight_decay: float = Field(0.1, ge=0.0)
+    warmup_steps: int = Field(100, ge=0)
+    decay: Literal["cosine", "linear", "constant"] = "cosine"
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
+    grad_clip: float = Field(1.0, ge=0.0, description="0 disables clipping")
+
+
+class PrecisionConfig(_Section):
+    """auto: bf16 on a GPU that has it, fp16 on older GPUs, fp32 on CPU."""
+
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    initial_scale_power: int = Field(16, ge=0, description="fp16 dynamic loss scale starts at 2**this")
+    loss_scale_window: int = Field(1000, ge=1)
+
+
+class DeepSpeedSection(_Section):
+    """ZeRO settings; `extra` is deep-merged into the generated DeepSpeed JSON as an escape hatch."""
+
+    zero_stage: int = Field(2, ge=0, le=3)
+    offload_optimizer: Literal["none", "cpu", "nvme"] = "none"
+    offload_param: Literal["none", "cpu", "nvme"] = "none"
+    nvme_path: Optional[str] = None
+    extra: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _offload_needs_stage(self) -> "DeepSpeedSection":
+        if self.offload_param != "none" and self.zero_stage != 3:
+            raise ValueError("deepspeed.offload_param needs deepspeed.zero_stage=3")
+        if self.offload_optimizer != "none" and self.zero_stage == 0:
+            raise ValueError("deepspeed.offload_optimizer needs deepspeed.zero_stage >= 1")
+        if "nvme" in (self.offload_param, self.offload_optimizer) and not self.nvme_path:
+            raise ValueError("NVMe offload needs deepspeed.nvme_path")
+        return self
+
+
+class ScalingSection(_Section):
+    """Ray Train workers and the CPUs kept free for Ray Data (so ingest never starves)."""
+
+    num_workers: int = Field(2, ge=1)
+    use_gpu: bool = False
+    cpus_per_worker: float = Field(1.0, gt=0.0)
+    gpus_per_worker: float = Field(1.0, ge=0.0)
+    resources_per_worker: dict[str, float] = Field(default_factory=dict, description="extra custom resources, e.g. {spot: 1}")
+    data_cpus: float = Field(1.0, gt=0.0, description="logical CPUs reserved for Ray Data read tasks, per job")
+    address: Optional[str] = Field(None, description="Ray address; None: RAY_ADDRESS, else a local Ray instance")
+
+
+class CheckpointSection(_Section):
+    """Where the run lives (`<storage>/<run.name>/`) and how often its state is saved."""
+
+    storage: str = Field("~/raytrain_runs", description="local path or s3://bucket/prefix")
+    every_n_steps: int = Field(1000, ge=1)
+    keep_last: int = Field(3, ge=1)
+    save_final: bool = True
+
+
+class RunSection(_Section):
+    name: str = Field("run", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
+    max_steps: int = Field(100, ge=1)
+    seed: int = 0
+    eval_every: int = Field(100, ge=0, description="0: only at the end")
+    log_every: int = Field(10, ge=1)
+    max_failures: int = Field(3, ge=0, description="worker-failure restarts before the run fails")
+
+
+class Config(_Section):
+    """A whole run. `raytrain config --config NAME` prints it resolved."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    batch: BatchConfig = Field(default_factory=BatchConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
+    deepspeed: DeepSpeedSection = Field(default_factory=DeepSpeedSection)
+    scaling: ScalingSection = Field(default_factory=ScalingSection)
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    run: RunSection = Field(default_factory=RunSection)
+
+    @model_validator(mode="after")
+    def _batch_consistent(self) -> "Config":
+        b, w = self.batch, self.scaling.num_workers
+        if b.gradient_accumulation_steps is None:
+            if b.global_batch_size is None:
+                raise ValueError("set batch.gradient_accumulation_steps or batch.global_batch_size")
+            per_step = b.micro_batch_size * w
+            if b.global_batch_size % per_step:
+                raise ValueError(
+                    f"batch.global_batch_size={b.global_batch_size} is not a multiple of "
+                    f"batch.micro_batch_size x scaling.num_workers = {per_step}"
+                )
+        elif b.global_batch_size is not None and b.global_batch_size != b.micro_batch_size * b.gradient_accumulation_steps * w:
+            raise ValueError(
+                f"batch.global_batch_size={b.global_batch_size} != micro_batch_size x gradient_accumulation_steps x "
+                f"num_workers = {b.micro_batch_size}x{b.gradient_accumulation_steps}x{w}; set one of them to null"
+            )
+        return self
+
+    # Derived quantities live here so driver and workers agree on them.
+    @property
+    def accumulation(self) -> int:
+        b = self.batch
+        if b.gradient_accumulation_steps is not None:
+            return b.gradient_accumulation_steps
+        return b.global_batch_size // (b.micro_batch_size * self.scaling.num_workers)
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch.micro_batch_size * self.accumulation * self.scaling.num_workers
+
+    @property
+    def run_uri(self) -> str:
+        return join_uri(self.checkpoint.storage, self.run.name)
+
+    def to_dict(self) -> dict:
+        return self.model_dump(mode="json")
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def join_uri(base: str, *parts: str) -> str:
+    return "/".join([base.rstrip("/")] + [p.strip("/") for p in parts])
+
+
+def resolve_recipe(name_or_path: str) -> Path:
+    """`tiny` -> raytrain/recipes/tiny.yaml; anything with a suffix or slash is a path."""
+    p = Path(name_or_path).expanduser()
+    if p.suffix in (".yaml", ".yml") or os.sep in name_or_path:
+        if not p.is_file():
+            raise UserError(f"config file not found: {name_or_path}")
+        return p
+    candidate = RECIPES_DIR / f"{name_or_path}.yaml"
+    if not candidate.is_file():
+        known = ", ".join(sorted(q.stem for q in RECIPES_DIR.glob("*.yaml")))
+        raise UserError(f"unknown recipe {name_or_path!r}; known recipes: {known} (or pass a path to a .yaml file)")
+    return candidate
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """`a.b=1` pairs -> {"a.b": 1}. Values are YAML scalars, so `1e-4`, `true`, `null`, `[1,2]` work."""
+    out: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise UserError(f"override {item!r} must look like key.path=value (e.g. optim.lr=3e-4)")
+        key, raw = item.split("=", 1)
+        key = key.strip()
+        if not key:
+            raise UserError(f"override {item!r} has an empty key")
+        try:
+            out[key] = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            out[key] = raw
+    return out
+
+
+def check_key(dotted: str, root: type[BaseModel] = None) -> None:
+    """Fail with the full dotted key when it names nothing in the schema (e.g. `no.such.key`)."""
+    cls: Any = root or Config
+    parts = dotted.split(".")
+    for i, part in enumerate(parts):
+        field = cls.model_fields.get(part)
+        if field is None:
+            where = ".".join(parts[:i]) or "the top level"
+            raise UserError(f"unknown config key {dotted!r}: {where} has no {part!r} "
+                            f"(allowed: {', '.join(cls.model_fields)})")
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            cls = ann
+        elif i < len(parts) - 1 and not _is_dict(ann):
+            raise UserError(f"unknown config key {dotted!r}: {'.'.join(parts[:i + 1])} is a value, not a section")
+        elif _is_dict(ann):
+            return  # free-form mapping (deepspeed.extra, scaling.resources_per_worker)
+
+
+def _is_dict(ann: Any) -> bool:
+    return getattr(ann, "__origin__", None) is dict
+
+
+def apply_overrides(tree: dict, overrides: dict[str, Any]) -> dict:
+    """Set dotted keys in a nested dict. Unknown keys are caught by validation, which names them."""
+    tree = copy.deepcopy(tree)
+    for dotted, value in overrides.items():
+        node = tree
+        parts = dotted.split(".")
+        for part in parts[:-1]:
+            nxt = node.get(part)
+            if nxt is None:
+                nxt = node[part] = {}
+            if not isinstance(nxt, dict):
+                raise UserError(f"config key {dotted!r}: {part!r} is a value, not a section")
+            node = nxt
+        node[parts[-1]] = value
+    return tree
+
+
+def _format_error(err: ValidationError) -> str:
+    msgs = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"])
+        if e["type"] == "extra_forbidden":
+            section = _section_for(e["loc"][:-1])
+            allowed = ", ".join(section.model_fields) if section else ""
+            msgs.append(f"unknown config key {key!r} (allowed here: {allowed})")
+        elif e["type"] == "literal_error":
+            msgs.append(f"config key {key!r}: {e['msg'].lower()}, got {e.get('input')!r}")
+        elif key:
+            msgs.append(f"config key {key!r}: {e['msg'].lower()} (got {e.get('input')!r})")
+        else:
+            msgs.append(f"config: {e['msg'].removeprefix('Value error, ')}")
+    return "; ".join(msgs)
+
+
+def _section_for(loc: tuple) -> Optional[type[BaseModel]]:
+    cls: Any = Config
+    for part in loc:
+        field = cls.model_fields.get(part) if isinstance(part, str) else None
+        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+            return None
+        cls = field.annotation
+    return cls
+
+
+def validate(tree: dict) -> Config:
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as err:
+        raise UserError(_format_error(err)) from None
+
+
+def load_config(name_or_path: Optional[str] = None, overrides: Optional[list[str] | dict[str, Any]] = None) -> Config:
+    """Recipe (by name or path) + overrides -> validated Config. Raises UserError naming the bad key."""
+    tree: dict = {}
+    if name_or_path:
+        path = resolve_recipe(name_or_path)
+        try:
+            tree = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise UserError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+        if not isinstance(tree, dict):
+            raise UserError(f"{path}: top level must be a mapping of sections (model:, data:, ...)")
+    if overrides:
+        ov = parse_overrides(overrides) if isinstance(overrides, list) else overrides
+        for key in ov:
+            check_key(key)
+        tree = apply_overrides(tree, ov)
+    return validate(tree)

@@ -1,0 +1,74 @@
+"""Reading and checking a prepared split's manifest.json before any training step uses it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import pyarrow.fs as pafs
+
+from raytrain import storage
+from raytrain.errors import UserError
+
+MANIFEST = "manifest.json"
+
+
+@dataclass(frozen=True)
+class Split:
+    """A prepared split: shard URIs in their canonical order with row counts."""
+
+    uri: str
+    shard_uris: tuple[str, ...]
+    shard_rows: tuple[int, ...]
+    seq_len: int
+    vocab_size: int
+    eot_id: int
+    tokenizer_uri: str
+
+    @property
+    def num_samples(self) -> int:
+        return sum(self.shard_rows)
+
+    def to_dict(self) -> dict:
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()}
+
+    @staticmethod
+    def from_dict(d: dict) -> "Split":
+        return Split(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in d.items()})
+
+
+def load_split(uri: str, what: str = "data") -> Split:
+    """Read and check a split. Missing / incomplete / empty splits are a one-line UserError."""
+    uri = storage.absolute(uri)
+    murl = storage.join(uri, MANIFEST)
+    if not storage.exists(uri):
+        raise UserError(f"{what}: dataset not found at {uri} (run `raytrain prepare` first, or fix the path)")
+    if not storage.exists(murl):
+        raise UserError(f"{what}: {uri} has no {MANIFEST}; it is not a prepared split or its preparation did not finish")
+    try:
+        m = json.loads(storage.read_text(murl))
+        shards = m["shards"]
+        seq_len, vocab, eot = int(m["seq_len"]), int(m["vocab_size"]), int(m["eot_id"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise UserError(f"{what}: {murl} is not a valid manifest ({e})") from None
+    if not shards or sum(s["rows"] for s in shards) == 0:
+        raise UserError(f"{what}: dataset at {uri} is empty (0 sequences); prepare it from more text")
+    fs, base = storage.resolve(uri)
+    infos = {i.base_name: i for i in fs.get_file_info(pafs.FileSelector(base, recursive=False))}
+    for s in shards:
+        info = infos.get(s["path"])
+        if info is None:
+            raise UserError(f"{what}: shard {storage.join(uri, s['path'])} listed in the manifest is missing")
+        if info.size != s["bytes"]:
+            raise UserError(f"{what}: shard {storage.join(uri, s['path'])} has {info.size} bytes, manifest says {s['bytes']}")
+    tok = m.get("tokenizer", "../tokenizer.json")
+    tok_uri = storage.join(uri.rsplit("/", 1)[0], tok.removeprefix("../")) if tok.startswith("../") else storage.join(uri, tok)
+    return Split(
+        uri=uri,
+        shard_uris=tuple(storage.join(uri, s["path"]) for s in shards),
+        shard_rows=tuple(int(s["rows"]) for s in shards),
+        seq_len=seq_len,
+        vocab_size=vocab,
+        eot_id=eot,
+        tokenizer_uri=tok_uri,
+    )

@@ -1,0 +1,152 @@
+"""One storage layer for every URI the tool touches: local paths and s3:// on any S3-compatible store.
+
+S3 endpoint, region and credentials come only from the standard AWS settings (AWS_ENDPOINT_URL,
+AWS_REGION, the credential provider chain); nothing here reads or prints secrets.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+from urllib.parse import urlparse
+
+import pyarrow.fs as pafs
+
+from raytrain.errors import UserError
+
+
+def is_remote(uri: str) -> bool:
+    return "://" in uri and not uri.startswith("file://")
+
+
+def _s3_filesystem() -> pafs.S3FileSystem:
+    # pyarrow reads credentials from the AWS provider chain itself; we only pass the endpoint so
+    # that http:// endpoints (a local S3-protocol server) get the right scheme.
+    kwargs = {}
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    if endpoint:
+        parsed = urlparse(endpoint)
+        kwargs["endpoint_override"] = parsed.netloc or parsed.path
+        kwargs["scheme"] = parsed.scheme or "https"
+    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    if region:
+        kwargs["region"] = region
+    # Fail fast instead of retrying for minutes when the endpoint is down.
+    kwargs["connect_timeout"] = 5
+    kwargs["request_timeout"] = 30
+    return pafs.S3FileSystem(**kwargs)
+
+
+def resolve(uri: str) -> tuple[pafs.FileSystem, str]:
+    """URI -> (pyarrow filesystem, path within it). Local paths become absolute."""
+    if uri.startswith("s3://"):
+        return _s3_filesystem(), uri[len("s3://"):].rstrip("/")
+    if uri.startswith("file://"):
+        uri = uri[len("file://"):]
+    if "://" in uri:
+        raise UserError(f"unsupported storage URI {uri!r}: use a local path or s3://bucket/prefix")
+    return pafs.LocalFileSystem(), str(Path(uri).expanduser().resolve())
+
+
+def absolute(uri: str) -> str:
+    """Normalise a URI so that it means the same thing on every node (local paths made absolute)."""
+    if is_remote(uri):
+        return uri.rstrip("/")
+    return resolve(uri)[1]
+
+
+def join(base: str, *parts: str) -> str:
+    return "/".join([base.rstrip("/")] + [p.strip("/") for p in parts if p])
+
+
+def _fail(uri: str, err: Exception, what: str) -> UserError:
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return UserError(f"cannot {what} {uri}: {first}")
+
+
+def exists(uri: str) -> bool:
+    fs, path = resolve(uri)
+    try:
+        return fs.get_file_info(path).type != pafs.FileType.NotFound
+    except OSError as e:
+        raise _fail(uri, e, "reach") from None
+
+
+def read_bytes(uri: str) -> bytes:
+    fs, path = resolve(uri)
+    try:
+        with fs.open_input_stream(path) as f:
+            return f.read()
+    except FileNotFoundError:
+        raise UserError(f"not found: {uri}") from None
+    except OSError as e:
+        raise _fail(uri, e, "read") from None
+
+
+def read_text(uri: str) -> str:
+    return read_bytes(uri).decode("utf-8")
+
+
+def write_bytes(uri: str, data: bytes) -> None:
+    """Write a whole object. Local writes go through a temp file + rename so readers never see half."""
+    fs, path = resolve(uri)
+    try:
+        if isinstance(fs, pafs.LocalFileSystem):
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            tmp = f"{path}.tmp-{os.getpid()}"
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        else:
+            # An S3 PUT is atomic: the object appears whole or not at all.
+            with fs.open_output_stream(path) as f:
+                f.write(data)
+    except OSError as e:
+        raise _fail(uri, e, "write") from None
+
+
+def write_text(uri: str, text: str) -> None:
+    write_bytes(uri, text.encode("utf-8"))
+
+
+def list_dir(uri: str) -> list[str]:
+    """Names (not paths) directly under a directory URI; empty if it does not exist."""
+    fs, path = resolve(uri)
+    try:
+        infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True, recursive=False))
+    except OSError as e:
+        raise _fail(uri, e, "list") from None
+    return sorted(i.base_name for i in infos)
+
+
+def upload_file(local_path: str, uri: str) -> None:
+    write_bytes(uri, Path(local_path).read_bytes())
+
+
+def make_dirs(uri: str) -> None:
+    fs, path = resolve(uri)
+    try:
+        fs.create_dir(path, recursive=True)
+    except OSError as e:
+        raise _fail(uri, e, "create") from None
+
+
+def check_writable(uri: str) -> None:
+    """Probe that the storage is reachable and writable before any training starts."""
+    probe = join(uri, ".raytrain-write-probe")
+    write_bytes(probe, b"ok")
+    fs, path = resolve(probe)
+    try:
+        fs.delete_file(path)
+    except OSError:
+        pass
+
+
+def ray_storage(uri: str) -> tuple[str, Optional[pafs.FileSystem]]:
+    """(storage_path, storage_filesystem) for Ray Train's RunConfig."""
+    if uri.startswith("s3://"):
+        return uri[len("s3://"):].rstrip("/"), _s3_filesystem()
+    return resolve(uri)[1], None

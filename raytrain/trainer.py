@@ -1,0 +1,129 @@
+"""Driver side of `raytrain train`: check inputs, connect to Ray, build the TorchTrainer, report the result.
+
+Everything that can be checked before workers start (config, data, storage, cluster size) is checked
+here, so bad input fails in a second with one line instead of after a cluster spin-up.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Optional
+
+from raytrain import storage
+from raytrain.config import Config
+from raytrain.data.manifest import Split, load_split
+from raytrain.errors import UserError
+from raytrain.worker.runlog import read_summary
+
+# Non-secret S3 settings that workers need to see the same endpoint as the driver. Credentials are
+# never forwarded: every node gets them from its own AWS provider chain (instance profile, env, files).
+_FORWARDED_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION")
+
+
+def check_inputs(cfg: Config) -> tuple[Split, Optional[Split]]:
+    if not cfg.data.train:
+        raise UserError("data.train is not set: pass data.train=<prepared dataset>/train (see `raytrain prepare`)")
+    train = load_split(cfg.data.train, "data.train")
+    val = load_split(cfg.data.val, "data.val") if cfg.data.val else None
+    for name, split in (("data.train", train), ("data.val", val)):
+        if split is None:
+            continue
+        if split.seq_len != cfg.model.seq_len:
+            raise UserError(f"{name} was packed for seq_len={split.seq_len} but model.seq_len={cfg.model.seq_len}; "
+                            f"set model.seq_len={split.seq_len} or prepare the data again")
+        if cfg.model.vocab_size is not None and cfg.model.vocab_size < split.vocab_size:
+            raise UserError(f"model.vocab_size={cfg.model.vocab_size} is smaller than {name}'s tokenizer "
+                            f"({split.vocab_size}); set model.vocab_size=null to take it from the data")
+    mb = cfg.batch.micro_batch_size
+    if mb > train.num_samples:
+        raise UserError(f"batch.micro_batch_size={mb} is larger than data.train ({train.num_samples} sequences); "
+                        f"use batch.micro_batch_size<={train.num_samples}")
+    if cfg.global_batch > train.num_samples:
+        raise UserError(f"global batch {cfg.global_batch} (micro_batch x accumulation x workers) is larger than "
+                        f"data.train ({train.num_samples} sequences); lower batch.* or scaling.num_workers")
+    return train, val
+
+
+def init_ray(cfg: Config) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = cfg.scaling.address or os.environ.get("RAY_ADDRESS")
+    env = {k: os.environ[k] for k in _FORWARDED_ENV if k in os.environ}
+    runtime_env = {"env_vars": env} if env else None
+    if address:
+        ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
+        return
+    # Local instance: size logical CPUs so that Train workers AND Ray Data both fit (pitfalls #1).
+    need = cfg.scaling.num_workers * cfg.scaling.cpus_per_worker + cfg.scaling.data_cpus
+    ray.init(num_cpus=max(int(need + 0.999), os.cpu_count() or 1), include_dashboard=False, runtime_env=runtime_env)
+
+
+def check_cluster(cfg: Config) -> None:
+    import ray
+
+    total = ray.cluster_resources().get("CPU", 0)
+    need = cfg.scaling.num_workers * cfg.scaling.cpus_per_worker + cfg.scaling.data_cpus
+    if total < need:
+        print(f"[raytrain] warning: cluster has {total:g} CPUs now, the run needs {need:g} "
+              f"({cfg.scaling.num_workers} workers x {cfg.scaling.cpus_per_worker:g} + {cfg.scaling.data_cpus:g} for "
+              f"data); waiting for the autoscaler", flush=True)
+
+
+def _root_user_error(err: BaseException) -> Optional[str]:
+    """Find a UserError raised inside a worker, so the CLI can print its one line."""
+    text = str(err)
+    marker = "UserError: "
+    if marker in text:
+        return text.split(marker, 1)[1].strip().splitlines()[0]
+    cause = err.__cause__ or err.__context__
+    return _root_user_error(cause) if cause else None
+
+
+def train(cfg: Config, log: Callable[[str], None] = print, reader: str = "ray") -> dict:
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from raytrain.worker.loop import train_loop_per_worker
+
+    cfg = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(
+        update={"storage": storage.absolute(cfg.checkpoint.storage)})})
+    train_split, val_split = check_inputs(cfg)
+    storage.check_writable(cfg.run_uri)
+    storage.write_text(storage.join(cfg.run_uri, "config.yaml"), cfg.to_yaml())
+    log(f"[raytrain] run {cfg.run.name} -> {cfg.run_uri} | global batch {cfg.global_batch} sequences = "
+        f"{cfg.batch.micro_batch_size} micro x {cfg.accumulation} accumulation x {cfg.scaling.num_workers} workers")
+
+    init_ray(cfg)
+    check_cluster(cfg)
+    s = cfg.scaling
+    resources = {"CPU": s.cpus_per_worker, **s.resources_per_worker}
+    if s.use_gpu:
+        resources["GPU"] = s.gpus_per_worker
+    storage_path, fs = storage.ray_storage(cfg.checkpoint.storage)
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={"config": cfg.to_dict(), "train_split": train_split.to_dict(),
+                           "val_split": val_split.to_dict() if val_split else None, "reader": reader},
+        torch_config=TorchConfig(backend="nccl" if s.use_gpu else "gloo"),
+        scaling_config=ScalingConfig(num_workers=s.num_workers, use_gpu=s.use_gpu, resources_per_worker=resources),
+        run_config=RunConfig(
+            name=cfg.run.name,
+            storage_path=storage_path,
+            storage_filesystem=fs,
+            failure_config=FailureConfig(max_failures=cfg.run.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep_last),
+        ),
+    )
+    try:
+        trainer.fit()
+    except Exception as e:  # noqa: BLE001 - Ray wraps worker errors; surface ours as one line
+        msg = _root_user_error(e)
+        if msg:
+            raise UserError(msg) from None
+        raise
+    summary = read_summary(cfg.run_uri)
+    if summary is None:
+        raise RuntimeError(f"training finished but wrote no summary.json under {cfg.run_uri}")
+    return summary

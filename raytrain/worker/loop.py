@@ -1,0 +1,189 @@
+"""The per-worker training loop (runs inside each Ray Train worker). Readable top to bottom.
+
+Everything that is not "take a batch, step the engine" is a component it calls: the sample stream
+(data position), the checkpoint path, the evaluator and the run log.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from raytrain.config import Config
+from raytrain.data.manifest import Split
+from raytrain.data.stream import SampleStream
+from raytrain.ds_config import build_ds_config, lr_lambda, resolve_dtype
+from raytrain.model import build_model, flops_per_token, param_count
+from raytrain.worker import checkpoint as ckpt
+from raytrain.worker.evaluate import Evaluator, lm_loss
+from raytrain.worker.runlog import SUMMARY, RunLog
+
+
+def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    # No decay on biases, norms and embeddings' 1-D params: the usual GPT recipe.
+    decay, no_decay = [], []
+    for _, p in model.named_parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _mean_across_ranks(x: torch.Tensor, world: int) -> float:
+    if world > 1:
+        dist.all_reduce(x)
+        x = x / world
+    return x.item()
+
+
+def _memory() -> dict:
+    import psutil
+
+    m = {"host_rss_gb": psutil.Process().memory_info().rss / 2**30}
+    if torch.cuda.is_available():
+        m["gpu_mem_alloc_gb"] = torch.cuda.memory_allocated() / 2**30
+        m["gpu_mem_peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
+    return m
+
+
+def train_loop_per_worker(loop_config: dict) -> None:
+    import deepspeed
+    import ray.train
+    import ray.train.torch
+
+    cfg = Config.model_validate(loop_config["config"])
+    train_split = Split.from_dict(loop_config["train_split"])
+    val_split = Split.from_dict(loop_config["val_split"]) if loop_config.get("val_split") else None
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    cuda = cfg.scaling.use_gpu and torch.cuda.is_available()
+    device = ray.train.torch.get_device() if cuda else torch.device("cpu")
+    torch.set_num_threads(max(1, int(cfg.scaling.cpus_per_worker)))
+    # Same seed on every rank: identical initial weights; data differs by slice, not by RNG.
+    torch.manual_seed(cfg.run.seed)
+    np.random.seed(cfg.run.seed)
+
+    # Model and engine. DeepSpeed reuses the process group Ray Train already set up.
+    vocab = cfg.model.vocab_size or train_split.vocab_size
+    model = build_model(cfg.model, vocab, cfg.run.seed, train_split.eot_id)
+    n_params = param_count(model)
+    dtype = resolve_dtype(cfg, cuda, cuda and torch.cuda.is_bf16_supported())
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        model_parameters=_param_groups(model, cfg.optim.weight_decay),
+        config=build_ds_config(cfg, world, dtype, cuda),
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg)),
+        dist_init_required=False,
+    )
+
+    # Resume: Ray Train hands back the latest registered checkpoint, whether this is a worker restart
+    # inside one job or the same run submitted again.
+    state = ckpt.TrainState(world_size=world)
+    resumed = ray.train.get_checkpoint()
+    if resumed is not None:
+        state = ckpt.restore(engine, resumed, rank, world)
+        state.restarts += 1
+    reader = loop_config.get("reader", "ray")
+    stream = SampleStream(train_split, cfg.run.seed, cfg.data.shuffle, cfg.data.shuffle_window, state.samples_seen,
+                          reader=reader, prefetch=cfg.data.prefetch_batches,
+                          read_cpus=cfg.scaling.data_cpus / max(1, world), background=True)
+    # Validation is small and read once, so a direct read beats starting a Ray Data pipeline for it.
+    evaluate = Evaluator(val_split, cfg.data.eval_samples, cfg.batch.micro_batch_size, rank, world, device,
+                         "pyarrow") if val_split else None
+    log = RunLog(cfg.run_uri, cfg.run.max_steps, state.step, enabled=rank == 0)
+    config_yaml = cfg.to_yaml()
+    mb, acc, gb, seq = cfg.batch.micro_batch_size, cfg.accumulation, cfg.global_batch, cfg.model.seq_len
+    fpt = flops_per_token(n_params, cfg.model)
+    if rank == 0:
+        print(f"[raytrain] {cfg.model.family} {n_params/1e6:.2f}M params | {world} workers x micro_batch {mb} x "
+              f"accumulation {acc} = global batch {gb} sequences ({gb*seq} tokens) | ZeRO-{cfg.deepspeed.zero_stage} "
+              f"{dtype} | {'resuming from step ' + str(state.step) if resumed else 'fresh start'}", flush=True)
+
+    if evaluate and state.step == 0:
+        val_loss, val_ppl = evaluate(engine)
+        log.write({"step": 0, "val_loss": val_loss, "val_ppl": val_ppl})
+        log.console({"step": 0, "val_loss": val_loss, "val_ppl": val_ppl})
+
+    last_ckpt = None
+    window_t, window_steps, data_wait = time.perf_counter(), 0, 0.0
+    while state.step < cfg.run.max_steps:
+        t0 = time.perf_counter()
+        batch = stream.take(gb)  # the whole global batch; this rank trains on its slice of it
+        data_wait += time.perf_counter() - t0
+        loss_sum = torch.zeros((), device=device)
+        for a in range(acc):
+            rows = batch[(a * world + rank) * mb:(a * world + rank + 1) * mb]
+            x = torch.from_numpy(np.ascontiguousarray(rows)).to(device, non_blocking=True)
+            loss = lm_loss(engine, x)
+            engine.backward(loss)
+            engine.step()  # DeepSpeed only updates at the accumulation boundary
+            loss_sum += loss.detach().float()
+        state.step += 1
+        state.samples_seen += gb
+        state.tokens_seen += gb * seq
+        window_steps += 1
+
+        last = state.step == cfg.run.max_steps
+        do_log = state.step % cfg.run.log_every == 0 or last
+        do_eval = evaluate is not None and ((cfg.run.eval_every and state.step % cfg.run.eval_every == 0) or last)
+        do_ckpt = state.step % cfg.checkpoint.every_n_steps == 0 or (last and cfg.checkpoint.save_final)
+        if not (do_log or do_eval or do_ckpt):
+            continue
+
+        rec: dict = {"step": state.step}
+        if do_log:
+            # Collective: every rank computes the same do_log, so this all-reduce never hangs.
+            rec["loss"] = _mean_across_ranks(loss_sum / acc, world)
+            dt = time.perf_counter() - window_t
+            tps = window_steps * gb * seq / dt
+            grad_norm = engine.get_global_grad_norm()
+            rec.update({
+                "lr": engine.get_lr()[0], "grad_norm": float(grad_norm) if grad_norm is not None else None,
+                "tokens_per_s": tps, "samples_per_s": window_steps * gb / dt,
+                "tflops_per_worker": fpt * tps / world / 1e12, "data_wait_frac": data_wait / dt,
+                "tokens_seen": state.tokens_seen, "epoch": stream.epoch, **_memory(),
+            })
+            window_t, window_steps, data_wait = time.perf_counter(), 0, 0.0
+        if do_eval:
+            rec["val_loss"], rec["val_ppl"] = evaluate(engine)
+        log.write(rec, sync=True if (do_eval or do_ckpt) else None)
+        log.console(rec)
+        if do_ckpt:
+            t = time.perf_counter()
+            last_ckpt = ckpt.save(engine, state, config_yaml, rank, rec)
+            if rank == 0:
+                print(f"[raytrain] checkpoint {last_ckpt} saved in {time.perf_counter() - t:.1f}s", flush=True)
+        else:
+            ray.train.report(rec)
+
+    if rank == 0:
+        _write_summary(cfg, log, state, last_ckpt, n_params)
+
+
+def _write_summary(cfg: Config, log: RunLog, state: ckpt.TrainState, last_ckpt, n_params: int) -> None:
+    import json
+
+    from raytrain import storage
+
+    tps = [r["tokens_per_s"] for r in log.history if "tokens_per_s" in r]
+    steady = tps[1:] or tps  # the first window includes warm-up (allocation, first data read)
+    summary = {
+        "run": cfg.run.name,
+        "run_uri": cfg.run_uri,
+        "steps": state.step,
+        "tokens_seen": state.tokens_seen,
+        "final_loss": log.last("loss"),
+        "val_loss": log.last("val_loss"),
+        "val_ppl": log.last("val_ppl"),
+        "initial_val_ppl": log.first("val_ppl"),
+        "tokens_per_s": sum(steady) / len(steady) if steady else None,
+        "params": n_params,
+        "wall_s": round(time.time() - log.t_start, 2),
+        "restarts": state.restarts,
+        "checkpoint": storage.join(cfg.run_uri, last_ckpt) if last_ckpt else None,
+    }
+    log.sync()
+    storage.write_text(storage.join(cfg.run_uri, SUMMARY), json.dumps(summary, indent=1))
+    print("[raytrain] summary " + json.dumps(summary), flush=True)

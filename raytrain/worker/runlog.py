@@ -1,0 +1,104 @@
+"""Rank 0's record of a run: metrics.jsonl, the console progress line and summary.json, kept in the run dir.
+
+Lines are appended to a local file and copied to the run directory in storage (every log step for
+local storage, at evaluations / checkpoints / the end for object storage), so a crashed run keeps its
+history up to its last checkpoint. On resume, lines past the resumed step are dropped: they belong to
+work that is about to be redone, and keeping them would show the same step twice.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from typing import Any, Optional
+
+from raytrain import storage
+
+METRICS = "metrics.jsonl"
+SUMMARY = "summary.json"
+
+
+def _fmt(v: Any) -> Any:
+    if isinstance(v, float):
+        return v if math.isfinite(v) else str(v)
+    return v
+
+
+class RunLog:
+    def __init__(self, run_uri: str, max_steps: int, resumed_step: int, enabled: bool):
+        self.run_uri, self.max_steps, self.enabled = run_uri, max_steps, enabled
+        self.remote = storage.is_remote(run_uri)
+        self.history: list[dict] = []
+        self.t_start = time.time()
+        self.start_step = resumed_step
+        if not enabled:
+            return
+        self._local = os.path.join(tempfile.mkdtemp(prefix="raytrain-log-"), METRICS)
+        uri = storage.join(run_uri, METRICS)
+        if storage.exists(uri):
+            for line in storage.read_text(uri).splitlines():
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a torn last line from a crash
+                if rec.get("step", 0) <= resumed_step:
+                    self.history.append(rec)
+        with open(self._local, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in self.history)
+        self.sync()
+
+    def write(self, rec: dict, sync: Optional[bool] = None) -> None:
+        if not self.enabled:
+            return
+        rec = {k: _fmt(v) for k, v in rec.items()}
+        self.history.append(rec)
+        with open(self._local, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        if sync or (sync is None and not self.remote):
+            self.sync()
+
+    def sync(self) -> None:
+        if self.enabled:
+            storage.upload_file(self._local, storage.join(self.run_uri, METRICS))
+
+    def console(self, rec: dict) -> None:
+        """One compact line per log step; the ETA is from this session's own pace."""
+        if not self.enabled:
+            return
+        step = rec["step"]
+        done = step - self.start_step
+        elapsed = time.time() - self.t_start
+        eta = elapsed / done * (self.max_steps - step) if done > 0 else float("nan")
+        parts = [f"step {step}/{self.max_steps}"]
+        if "loss" in rec:
+            parts.append(f"loss {rec['loss']:.4f}")
+        if "val_loss" in rec:
+            parts.append(f"val_loss {rec['val_loss']:.4f} val_ppl {rec['val_ppl']:.2f}")
+        if "lr" in rec:
+            parts.append(f"lr {rec['lr']:.2e}")
+        if "tokens_per_s" in rec:
+            parts.append(f"{rec['tokens_per_s']:.0f} tok/s")
+        if math.isfinite(eta):
+            parts.append(f"eta {eta:.0f}s")
+        print("[raytrain] " + " | ".join(parts), file=sys.stdout, flush=True)
+
+    def last(self, key: str) -> Optional[float]:
+        for rec in reversed(self.history):
+            if key in rec:
+                return rec[key]
+        return None
+
+    def first(self, key: str) -> Optional[float]:
+        for rec in self.history:
+            if key in rec:
+                return rec[key]
+        return None
+
+
+def read_summary(run_uri: str) -> Optional[dict]:
+    uri = storage.join(run_uri, SUMMARY)
+    return json.loads(storage.read_text(uri)) if storage.exists(uri) else None
