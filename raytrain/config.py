@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal, Optional
 
@@ -17,6 +18,25 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from raytrain.errors import UserError
 
 RECIPES_DIR = Path(__file__).parent / "recipes"
+
+
+class YamlLoader(yaml.SafeLoader):
+    """SafeLoader that reads `3e-4` as a float (YAML 1.2 rules); PyYAML's 1.1 rules want `3.0e-4`."""
+
+
+YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+    |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+    |\.[0-9_]+(?:[eE][-+][0-9]+)?
+    |[-+]?\.(?:inf|Inf|INF)
+    |\.(?:nan|NaN|NAN))$""", re.X),
+    list("-+0123456789."),
+)
+
+
+def load_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=YamlLoader)
 
 
 class _Section(BaseModel):
@@ -225,10 +245,22 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
         if not key:
             raise UserError(f"override {item!r} has an empty key")
         try:
-            out[key] = yaml.safe_load(raw) if raw != "" else ""
+            value = load_yaml(raw) if raw != "" else ""
         except yaml.YAMLError:
-            out[key] = raw
+            value = raw
+        if isinstance(value, str):
+            value = _number_or_str(value)  # YAML 1.1 reads `3e-4` as a string; people mean a number
+        out[key] = value
     return out
+
+
+def _number_or_str(s: str) -> Any:
+    for cast in (int, float):
+        try:
+            return cast(s)
+        except ValueError:
+            pass
+    return s
 
 
 def check_key(dotted: str, root: type[BaseModel] = None) -> None:
@@ -311,7 +343,7 @@ def load_config(name_or_path: Optional[str] = None, overrides: Optional[list[str
     if name_or_path:
         path = resolve_recipe(name_or_path)
         try:
-            tree = yaml.safe_load(path.read_text()) or {}
+            tree = load_yaml(path.read_text()) or {}
         except yaml.YAMLError as e:
             raise UserError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
         if not isinstance(tree, dict):

@@ -55,9 +55,11 @@ def init_ray(cfg: Config) -> None:
     if address:
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
         return
-    # Local instance: size logical CPUs so that Train workers AND Ray Data both fit (pitfalls #1).
+    # No address: a fresh local instance, never a stray cluster left on this machine. Its logical CPUs
+    # are sized so that Train workers AND Ray Data both fit (pitfalls #1).
     need = cfg.scaling.num_workers * cfg.scaling.cpus_per_worker + cfg.scaling.data_cpus
-    ray.init(num_cpus=max(int(need + 0.999), os.cpu_count() or 1), include_dashboard=False, runtime_env=runtime_env)
+    ray.init(address="local", num_cpus=max(int(need + 0.999), os.cpu_count() or 1), include_dashboard=False,
+             runtime_env=runtime_env)
 
 
 def check_cluster(cfg: Config) -> None:
@@ -81,7 +83,11 @@ def _root_user_error(err: BaseException) -> Optional[str]:
     return _root_user_error(cause) if cause else None
 
 
-def train(cfg: Config, log: Callable[[str], None] = print, reader: str = "ray") -> dict:
+def train(cfg: Config, log: Callable[[str], None] = print, reader: str = "ray", inject: Optional[dict] = None) -> dict:
+    """Run (or resume) a training run to run.max_steps. Returns the run's summary.json contents.
+
+    `inject` is the fault-injection hook (see worker.loop._crash_hook), for tests and chaos drills.
+    """
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -105,7 +111,8 @@ def train(cfg: Config, log: Callable[[str], None] = print, reader: str = "ray") 
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"config": cfg.to_dict(), "train_split": train_split.to_dict(),
-                           "val_split": val_split.to_dict() if val_split else None, "reader": reader},
+                           "val_split": val_split.to_dict() if val_split else None, "reader": reader,
+                           "inject": inject},
         torch_config=TorchConfig(backend="nccl" if s.use_gpu else "gloo"),
         scaling_config=ScalingConfig(num_workers=s.num_workers, use_gpu=s.use_gpu, resources_per_worker=resources),
         run_config=RunConfig(

@@ -23,7 +23,7 @@ import yaml
 from pydantic import Field, ValidationError
 
 from raytrain import storage
-from raytrain.config import _format_error, _Section, apply_overrides, check_key, parse_overrides
+from raytrain.config import _format_error, _Section, apply_overrides, check_key, load_yaml, parse_overrides
 from raytrain.data import manifest as mf
 from raytrain.data.corpus import iter_documents
 from raytrain.errors import UserError
@@ -50,7 +50,7 @@ def load_prepare_config(path: Optional[str], overrides: list[str]) -> PrepareCon
     tree: dict[str, Any] = {}
     if path:
         try:
-            tree = yaml.safe_load(open(path)) or {}
+            tree = load_yaml(open(path).read()) or {}
         except OSError as e:
             raise UserError(f"cannot read {path}: {e.strerror}") from None
     ov = parse_overrides(overrides)

@@ -6,6 +6,8 @@ Everything that is not "take a batch, step the engine" is a component it calls: 
 
 from __future__ import annotations
 
+import logging
+import os
 import time
 
 import numpy as np
@@ -19,7 +21,7 @@ from raytrain.ds_config import build_ds_config, lr_lambda, resolve_dtype
 from raytrain.model import build_model, flops_per_token, param_count
 from raytrain.worker import checkpoint as ckpt
 from raytrain.worker.evaluate import Evaluator, lm_loss
-from raytrain.worker.runlog import SUMMARY, RunLog
+from raytrain.worker.runlog import SUMMARY, RunLog, say
 
 
 def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -53,6 +55,9 @@ def train_loop_per_worker(loop_config: dict) -> None:
     import ray.train
     import ray.train.torch
 
+    # Per-report INFO lines from Ray Train / Ray Data drown the progress lines; warnings still show.
+    logging.getLogger("ray.train").setLevel(logging.WARNING)
+    logging.getLogger("ray.data").setLevel(logging.WARNING)
     cfg = Config.model_validate(loop_config["config"])
     train_split = Split.from_dict(loop_config["train_split"])
     val_split = Split.from_dict(loop_config["val_split"]) if loop_config.get("val_split") else None
@@ -97,16 +102,17 @@ def train_loop_per_worker(loop_config: dict) -> None:
     mb, acc, gb, seq = cfg.batch.micro_batch_size, cfg.accumulation, cfg.global_batch, cfg.model.seq_len
     fpt = flops_per_token(n_params, cfg.model)
     if rank == 0:
-        print(f"[raytrain] {cfg.model.family} {n_params/1e6:.2f}M params | {world} workers x micro_batch {mb} x "
+        say(f"{cfg.model.family} {n_params/1e6:.2f}M params | {world} workers x micro_batch {mb} x "
               f"accumulation {acc} = global batch {gb} sequences ({gb*seq} tokens) | ZeRO-{cfg.deepspeed.zero_stage} "
-              f"{dtype} | {'resuming from step ' + str(state.step) if resumed else 'fresh start'}", flush=True)
+              f"{dtype} | {'resuming from step ' + str(state.step) if resumed else 'fresh start'}")
 
     if evaluate and state.step == 0:
         val_loss, val_ppl = evaluate(engine)
         log.write({"step": 0, "val_loss": val_loss, "val_ppl": val_ppl})
         log.console({"step": 0, "val_loss": val_loss, "val_ppl": val_ppl})
 
-    last_ckpt = None
+    last_ckpt = ckpt.dir_name(state.step) if resumed else None
+    crash_at = _crash_hook(loop_config.get("inject") or {}, rank)
     window_t, window_steps, data_wait = time.perf_counter(), 0, 0.0
     while state.step < cfg.run.max_steps:
         t0 = time.perf_counter()
@@ -121,6 +127,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
             engine.step()  # DeepSpeed only updates at the accumulation boundary
             loss_sum += loss.detach().float()
         state.step += 1
+        crash_at(state.step)
         state.samples_seen += gb
         state.tokens_seen += gb * seq
         window_steps += 1
@@ -154,12 +161,31 @@ def train_loop_per_worker(loop_config: dict) -> None:
             t = time.perf_counter()
             last_ckpt = ckpt.save(engine, state, config_yaml, rank, rec)
             if rank == 0:
-                print(f"[raytrain] checkpoint {last_ckpt} saved in {time.perf_counter() - t:.1f}s", flush=True)
+                say(f"checkpoint {last_ckpt} saved in {time.perf_counter() - t:.1f}s")
         else:
             ray.train.report(rec)
 
     if rank == 0:
         _write_summary(cfg, log, state, last_ckpt, n_params)
+
+
+def _crash_hook(inject: dict, rank: int):
+    """Fault injection for tests and chaos drills: kill this worker process once at a given step.
+
+    `inject = {"crash_at_step": N, "marker": path, "rank": r}`; the marker file makes it fire only
+    once, so the restarted worker trains on past step N.
+    """
+    step_n, marker = inject.get("crash_at_step"), inject.get("marker")
+    if not step_n or rank != inject.get("rank", 0):
+        return lambda step: None
+
+    def hook(step: int) -> None:
+        if step == step_n and marker and not os.path.exists(marker):
+            open(marker, "w").close()
+            say(f"injected crash at step {step} (rank {rank})")
+            os._exit(1)
+
+    return hook
 
 
 def _write_summary(cfg: Config, log: RunLog, state: ckpt.TrainState, last_ckpt, n_params: int) -> None:
@@ -186,4 +212,4 @@ def _write_summary(cfg: Config, log: RunLog, state: ckpt.TrainState, last_ckpt, 
     }
     log.sync()
     storage.write_text(storage.join(cfg.run_uri, SUMMARY), json.dumps(summary, indent=1))
-    print("[raytrain] summary " + json.dumps(summary), flush=True)
+    say("summary " + json.dumps(summary))

@@ -22,6 +22,12 @@ METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
 
 
+def say(msg: str) -> None:
+    """A console line from a worker. Not print(): Ray Train v2 patches print to log *and* echo it."""
+    sys.stdout.write(f"[raytrain] {msg}\n")
+    sys.stdout.flush()
+
+
 def _fmt(v: Any) -> Any:
     if isinstance(v, float):
         return v if math.isfinite(v) else str(v)
@@ -84,7 +90,7 @@ class RunLog:
             parts.append(f"{rec['tokens_per_s']:.0f} tok/s")
         if math.isfinite(eta):
             parts.append(f"eta {eta:.0f}s")
-        print("[raytrain] " + " | ".join(parts), file=sys.stdout, flush=True)
+        say(" | ".join(parts))
 
     def last(self, key: str) -> Optional[float]:
         for rec in reversed(self.history):

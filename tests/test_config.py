@@ -1,0 +1,74 @@
+"""Config tree: recipes by name and path, dotted overrides, and every validation error names its key."""
+
+import subprocess
+import sys
+
+import pytest
+
+from raytrain.config import load_config
+from raytrain.errors import UserError
+
+
+def test_recipe_by_name_and_overrides():
+    cfg = load_config("tiny", ["model.n_layer=4", "optim.lr=3e-4", "deepspeed.extra.zero_optimization.x=1"])
+    assert cfg.model.n_layer == 4 and cfg.optim.lr == 3e-4
+    assert cfg.deepspeed.extra == {"zero_optimization": {"x": 1}}
+    assert cfg.global_batch == cfg.batch.micro_batch_size * cfg.accumulation * cfg.scaling.num_workers
+
+
+def test_recipe_by_path(tmp_path):
+    p = tmp_path / "mine.yaml"
+    p.write_text("model:\n  n_layer: 3\nrun:\n  name: mine\n")
+    cfg = load_config(str(p))
+    assert cfg.model.n_layer == 3 and cfg.run.name == "mine"
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["no.such.key=1"], "no.such.key"),
+    (["model.nlayer=2"], "model.nlayer"),
+    (["model.n_layer=two"], "model.n_layer"),
+    (["model.n_layer=2.5"], "model.n_layer"),
+    (["optim.lr=fast"], "optim.lr"),
+    (["precision.dtype=fp8"], "precision.dtype"),
+    (["model.n_layer.x=1"], "model.n_layer"),
+    (["model.hidden_size=100", "model.n_head=3"], "model.hidden_size"),
+    (["batch.global_batch_size=17"], "batch.global_batch_size"),
+    (["deepspeed.zero_stage=4"], "deepspeed.zero_stage"),
+    (["deepspeed.offload_param=cpu"], "zero_stage=3"),
+])
+def test_bad_config_names_the_key(overrides, needle):
+    with pytest.raises(UserError) as e:
+        load_config("tiny", overrides)
+    assert needle in str(e.value)
+
+
+def test_unknown_recipe_lists_known():
+    with pytest.raises(UserError, match="known recipes: .*tiny"):
+        load_config("nope")
+
+
+def test_yaml_unknown_key_and_wrong_type(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("model:\n  n_layer: '4'\n  colour: red\n")
+    with pytest.raises(UserError) as e:
+        load_config(str(p))
+    assert "model.colour" in str(e.value) and "model.n_layer" in str(e.value)
+
+
+def test_accumulation_derived_from_global_batch():
+    cfg = load_config("tiny", ["batch.gradient_accumulation_steps=null", "batch.global_batch_size=64"])
+    assert cfg.accumulation == 64 // (8 * 2)
+
+
+def test_cli_unknown_key_exits_nonzero_naming_it():
+    r = subprocess.run([sys.executable, "-m", "raytrain", "train", "--config", "tiny", "no.such.key=1"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert "no.such.key" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1  # one clear line, no traceback
+
+
+def test_yaml_scientific_notation_is_a_number(tmp_path):
+    p = tmp_path / "sci.yaml"
+    p.write_text("optim:\n  lr: 3e-4\n")
+    assert load_config(str(p)).optim.lr == 3e-4
