@@ -130,7 +130,7 @@ class SampleStream:
             epoch, offset = epoch + 1, 0
 
     def _prefetching(self, depth: int = 2) -> Iterator[np.ndarray]:
-        """Run the reader in a thread so epoch starts and shard reads overlap with training steps."""
+        """Start the reader in a thread now, so epoch starts and shard reads overlap with training."""
         q: queue.Queue = queue.Queue(maxsize=depth)
 
         def produce() -> None:
@@ -141,15 +141,25 @@ class SampleStream:
                 q.put(e)
 
         threading.Thread(target=produce, daemon=True, name="raytrain-data").start()
-        while True:
-            item = q.get()
-            if isinstance(item, BaseException):
-                raise item
-            yield item
+
+        def consume() -> Iterator[np.ndarray]:
+            while True:
+                item = q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+
+        return consume()
+
+    def start(self) -> "SampleStream":
+        """Begin reading now (in the background if enabled), e.g. while the model is being built."""
+        if self._gen is None:
+            self._gen = self._prefetching() if self.background else self._all_rows()
+        return self
 
     def take(self, n: int) -> np.ndarray:
         if self._gen is None:
-            self._gen = self._prefetching() if self.background else self._all_rows()
+            self.start()
         while len(self._buf) < n:
             self._buf = np.concatenate([self._buf, next(self._gen)])
         out, self._buf = self._buf[:n], self._buf[n:]

@@ -5,9 +5,10 @@ A checkpoint directory holds:
     rng/rank_NNNNN.pt           each rank's Python / NumPy / torch RNG state
     raytrain_state.json         step, samples_seen (the data position), tokens_seen, world size
     config.yaml                 the resolved config of the run that wrote it
-Each rank writes its part to a local directory and hands it to `ray.train.report`, which uploads all
-ranks' parts into one directory in storage and registers the checkpoint only when every rank's
-upload is done (Ray Train persists that registry, so a resubmitted run resumes from it).
+    manifest.json               written last: every file with size and sha256 (see raytrain.checkpoints)
+Each rank writes its part to a local directory, hashes it, and hands it to `ray.train.report`, which
+uploads all ranks' parts into one directory in storage. When every rank's upload has returned, rank 0
+writes the manifest: the checkpoint is committed. Resume always takes the newest committed one.
 """
 
 from __future__ import annotations
@@ -53,9 +54,12 @@ def _set_rng_state(s: dict) -> None:
         torch.cuda.set_rng_state_all(s["cuda"])
 
 
-def save(engine, state: TrainState, config_yaml: str, rank: int, metrics: dict) -> str:
+def save(engine, state: TrainState, config_yaml: str, rank: int, metrics: dict, run_uri: str, keep_last: int) -> str:
     """Collective: every rank must call it at the same step. Returns the checkpoint's directory name."""
     import ray.train
+    import torch.distributed as dist
+
+    from raytrain import checkpoints, storage
 
     with tempfile.TemporaryDirectory(prefix="raytrain-ckpt-") as d:
         engine.save_checkpoint(d, tag=ENGINE_TAG)
@@ -67,8 +71,42 @@ def save(engine, state: TrainState, config_yaml: str, rank: int, metrics: dict) 
             with open(os.path.join(d, CONFIG), "w") as f:
                 f.write(config_yaml)
         name = dir_name(state.step)
+        files = checkpoints.hash_local_files(d)
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d), checkpoint_dir_name=name)
+    # Each rank's report returns after its own upload; gathering afterwards is the barrier that
+    # proves all uploads are done before the manifest makes the checkpoint count.
+    gathered = [None] * dist.get_world_size() if dist.is_initialized() else [files]
+    if dist.is_initialized():
+        dist.all_gather_object(gathered, files)
+    if rank == 0:
+        merged = {k: v for per_rank in gathered for k, v in per_rank.items()}
+        uri = storage.join(run_uri, name)
+        checkpoints.commit(uri, state.step, merged, {"world_size": state.world_size})
+        checkpoints.prune(run_uri, keep_last, protect=(uri,))
     return name
+
+
+def find_resume_point(run_uri: str, rank: int):
+    """Rank 0 picks the newest committed checkpoint and every rank gets the same answer."""
+    import torch.distributed as dist
+
+    from raytrain import checkpoints
+    from raytrain.worker.runlog import say
+
+    choice = [None]
+    if rank == 0:
+        info = checkpoints.latest_complete(run_uri, log=say)
+        choice[0] = info.uri if info else None
+    if dist.is_initialized():
+        dist.broadcast_object_list(choice, src=0)
+    if choice[0] is None:
+        return None
+    import ray.train
+
+    from raytrain import storage
+
+    fs, path = storage.resolve(choice[0])
+    return ray.train.Checkpoint(path=path, filesystem=fs)
 
 
 def restore(engine, checkpoint, rank: int, world_size: int) -> Optional[TrainState]:

@@ -83,17 +83,20 @@ def train_loop_per_worker(loop_config: dict) -> None:
         dist_init_required=False,
     )
 
-    # Resume: Ray Train hands back the latest registered checkpoint, whether this is a worker restart
-    # inside one job or the same run submitted again.
+    # Resume from the newest committed checkpoint in the run directory, whether this is a worker
+    # restart inside one job or the same run submitted again. (Ray's own registry can miss the newest
+    # one when a worker dies right after uploading; our manifests cannot.)
     state = ckpt.TrainState(world_size=world)
-    resumed = ray.train.get_checkpoint()
+    resumed = ckpt.find_resume_point(cfg.run_uri, rank)
     if resumed is not None:
         state = ckpt.restore(engine, resumed, rank, world)
         state.restarts += 1
-    reader = loop_config.get("reader", "ray")
+    # Started only now: on small machines, Ray Data's start-up competing with DeepSpeed's
+    # initialisation slowed both down more than running them one after the other.
     stream = SampleStream(train_split, cfg.run.seed, cfg.data.shuffle, cfg.data.shuffle_window, state.samples_seen,
-                          reader=reader, prefetch=cfg.data.prefetch_batches,
-                          read_cpus=cfg.scaling.data_cpus / max(1, world), background=True)
+                          reader=loop_config.get("reader", "ray"), prefetch=cfg.data.prefetch_batches,
+                          read_cpus=cfg.scaling.data_cpus / max(1, world), background=True).start()
+
     # Validation is small and read once, so a direct read beats starting a Ray Data pipeline for it.
     evaluate = Evaluator(val_split, cfg.data.eval_samples, cfg.batch.micro_batch_size, rank, world, device,
                          "pyarrow") if val_split else None
@@ -159,10 +162,12 @@ def train_loop_per_worker(loop_config: dict) -> None:
         log.console(rec)
         if do_ckpt:
             t = time.perf_counter()
-            last_ckpt = ckpt.save(engine, state, config_yaml, rank, rec)
+            last_ckpt = ckpt.save(engine, state, config_yaml, rank, rec, cfg.run_uri, cfg.checkpoint.keep_last)
             if rank == 0:
                 say(f"checkpoint {last_ckpt} saved in {time.perf_counter() - t:.1f}s")
-        else:
+        elif do_eval:
+            # Metrics-only reports are kept to eval steps: each report waits for Ray Train's controller
+            # to collect it (about a second), which would throttle a loop that logs every step.
             ray.train.report(rec)
 
     if rank == 0:
