@@ -1,0 +1,85 @@
+"""Bad input to `raytrain train` fails fast with one line naming the problem, before any worker starts,
+and leaves no checkpoint behind."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from raytrain.errors import UserError
+from raytrain.trainer import train
+from tests.conftest import tiny_cfg
+
+
+def _no_checkpoints(root):
+    return not list(root.rglob("checkpoint_*"))
+
+
+def test_missing_data_path(tmp_path):
+    with pytest.raises(UserError, match="dataset not found at .*nowhere"):
+        train(tiny_cfg(tmp_path / "nowhere", tmp_path / "runs", "x"))
+    assert _no_checkpoints(tmp_path)
+
+
+def test_unfinished_dataset_without_manifest(tmp_path, tiny_data):
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_data, broken)
+    (broken / "train" / "manifest.json").unlink()
+    with pytest.raises(UserError, match="has no manifest.json"):
+        train(tiny_cfg(broken, tmp_path / "runs", "x"))
+
+
+def test_missing_shard(tmp_path, tiny_data):
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_data, broken)
+    (broken / "train" / "shard-00000.parquet").unlink()
+    with pytest.raises(UserError, match="shard-00000.parquet listed in the manifest is missing"):
+        train(tiny_cfg(broken, tmp_path / "runs", "x"))
+
+
+def test_empty_dataset(tmp_path, tiny_data):
+    empty = tmp_path / "empty"
+    shutil.copytree(tiny_data, empty)
+    m = json.loads((empty / "train" / "manifest.json").read_text())
+    m["shards"], m["num_samples"] = [], 0
+    (empty / "train" / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(UserError, match="is empty"):
+        train(tiny_cfg(empty, tmp_path / "runs", "x"))
+    assert _no_checkpoints(tmp_path)
+
+
+def test_micro_batch_larger_than_data(tmp_path, tiny_data):
+    with pytest.raises(UserError, match="batch.micro_batch_size=100000 is larger than data.train"):
+        train(tiny_cfg(tiny_data, tmp_path / "runs", "x", "batch.micro_batch_size=100000"))
+    assert _no_checkpoints(tmp_path)
+
+
+def test_seq_len_mismatch(tmp_path, tiny_data):
+    with pytest.raises(UserError, match="packed for seq_len=32 but model.seq_len=64"):
+        train(tiny_cfg(tiny_data, tmp_path / "runs", "x", "model.seq_len=64"))
+
+
+def test_unreachable_storage(tmp_path, tiny_data, monkeypatch):
+    # Nothing listens on port 9 of loopback: the storage probe must fail quickly and clearly.
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "x")
+    monkeypatch.setenv("AWS_REGION", "us-east-1")
+    with pytest.raises(UserError, match="cannot write s3://nobucket/runs"):
+        train(tiny_cfg(tiny_data, "s3://nobucket/runs", "x"))
+
+
+def test_missing_bucket(s3_server, tmp_path, tiny_data):
+    with pytest.raises(UserError, match="s3://no-such-bucket"):
+        train(tiny_cfg(tiny_data, "s3://no-such-bucket/runs", "x"))
+
+
+def test_cli_reports_one_line_and_nonzero_exit(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "raytrain", "train", "--config", "tiny",
+                        f"data.train={tmp_path}/missing", f"checkpoint.storage={tmp_path}/runs"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [f"raytrain: error: data.train: dataset not found at {tmp_path}/missing "
+                                             "(run `raytrain prepare` first, or fix the path)"]

@@ -1,0 +1,56 @@
+"""Checkpoint catalogue: only committed, intact checkpoints count; retention never removes the newest."""
+
+import pytest
+
+from raytrain import checkpoints
+
+
+def _make(run, step: int, commit: bool = True):
+    d = run / f"checkpoint_{step:08d}"
+    (d / "engine").mkdir(parents=True)
+    (d / "engine" / "weights.pt").write_bytes(b"w" * (100 + step))
+    (d / "raytrain_state.json").write_text('{"step": %d}' % step)
+    if commit:
+        checkpoints.commit(str(d), step, checkpoints.hash_local_files(str(d)))
+    return d
+
+
+def test_latest_complete_skips_uncommitted_and_corrupt(tmp_path):
+    _make(tmp_path, 10)
+    _make(tmp_path, 20)
+    _make(tmp_path, 30, commit=False)  # crashed before its manifest
+    assert checkpoints.latest_complete(str(tmp_path)).step == 20
+    (tmp_path / "checkpoint_00000020" / "engine" / "weights.pt").write_bytes(b"short")  # truncated upload
+    warnings = []
+    assert checkpoints.latest_complete(str(tmp_path), log=warnings.append).step == 10
+    assert any("checkpoint_00000020" in w and "bytes" in w for w in warnings)
+    assert any("checkpoint_00000030" in w and "no manifest" in w for w in warnings)
+
+
+def test_deleted_manifest_or_file_makes_it_incomplete(tmp_path):
+    d = _make(tmp_path, 5)
+    assert checkpoints.verify(str(d)).complete
+    (d / "raytrain_state.json").unlink()
+    assert "missing raytrain_state.json" in checkpoints.verify(str(d)).reason
+    d2 = _make(tmp_path, 6)
+    (d2 / "manifest.json").unlink()
+    assert not checkpoints.verify(str(d2)).complete
+
+
+def test_deep_verify_catches_same_size_corruption(tmp_path):
+    d = _make(tmp_path, 7)
+    p = d / "engine" / "weights.pt"
+    p.write_bytes(b"x" * p.stat().st_size)
+    assert checkpoints.verify(str(d)).complete
+    assert "checksum" in checkpoints.verify(str(d), deep=True).reason
+
+
+@pytest.mark.parametrize("keep", [1, 2])
+def test_prune_keeps_newest_and_protected(tmp_path, keep):
+    for s in (1, 2, 3, 4):
+        _make(tmp_path, s)
+    protect = (str(tmp_path / "checkpoint_00000001"),)
+    deleted = checkpoints.prune(str(tmp_path), keep, protect=protect)
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert "checkpoint_00000004" in left and "checkpoint_00000001" in left
+    assert len(deleted) == 3 - keep
