@@ -28,8 +28,11 @@ def _cmd_prepare(args) -> int:
 
 
 def _cmd_config(args) -> int:
-    from raytrain.config import load_config
+    from raytrain.config import load_config, reference_markdown
 
+    if args.reference:
+        print(reference_markdown())
+        return 0
     cfg = load_config(args.config, args.overrides)
     print(cfg.to_yaml(), end="")
     print(f"# derived: gradient_accumulation_steps={cfg.accumulation} global_batch_size={cfg.global_batch} "
@@ -67,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.set_defaults(fn=_cmd_prepare)
     c = sub.add_parser("config", help="print the resolved config")
     c.add_argument("--config", "-c", default="tiny")
+    c.add_argument("--reference", action="store_true", help="print every config key as Markdown")
     c.add_argument("overrides", nargs="*")
     c.set_defaults(fn=_cmd_config)
     return p

@@ -7,6 +7,7 @@ search spaces and in saved checkpoints, so there is exactly one vocabulary for a
 from __future__ import annotations
 
 import copy
+import json
 import os
 import re
 from pathlib import Path
@@ -47,19 +48,19 @@ class _Section(BaseModel):
 class ModelConfig(_Section):
     """Transformer shape. Built with `transformers` config classes, random init, no hub access."""
 
-    family: Literal["gpt2", "llama"] = "gpt2"
-    n_layer: int = Field(2, ge=1)
-    hidden_size: int = Field(128, ge=8)
-    n_head: int = Field(4, ge=1)
-    n_kv_head: Optional[int] = Field(None, ge=1, description="llama only: grouped-query KV heads")
-    intermediate_size: Optional[int] = Field(None, ge=1, description="MLP width; default 4x (gpt2) or ~8/3x (llama)")
-    seq_len: int = Field(128, ge=2)
-    vocab_size: Optional[int] = Field(None, ge=2, description="None: taken from the dataset's tokenizer")
-    dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    tie_embeddings: bool = True
-    init_std: float = Field(0.02, gt=0.0)
-    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
-    activation_checkpointing: bool = False
+    family: Literal["gpt2", "llama"] = Field("gpt2", description="architecture: GPT-2 (learned positions) or Llama (RoPE, RMSNorm, SwiGLU)")
+    n_layer: int = Field(2, ge=1, description="transformer blocks")
+    hidden_size: int = Field(128, ge=8, description="model width; divisible by n_head")
+    n_head: int = Field(4, ge=1, description="attention heads")
+    n_kv_head: Optional[int] = Field(None, ge=1, description="llama only: key/value heads (grouped-query attention); null: n_head")
+    intermediate_size: Optional[int] = Field(None, ge=1, description="MLP width; null: 4x hidden (gpt2) or ~8/3x rounded to 256 (llama)")
+    seq_len: int = Field(128, ge=2, description="context length in tokens; must equal the dataset's packing length")
+    vocab_size: Optional[int] = Field(None, ge=2, description="null: taken from the dataset's tokenizer")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout everywhere; 0 for pre-training")
+    tie_embeddings: bool = Field(True, description="share input embedding and output projection")
+    init_std: float = Field(0.02, gt=0.0, description="std of the normal weight init")
+    attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="torch SDPA (flash / memory-efficient kernels where available) or eager")
+    activation_checkpointing: bool = Field(False, description="recompute activations in backward: less memory, ~30% more compute")
 
     @model_validator(mode="after")
     def _heads_divide(self) -> "ModelConfig":
@@ -73,52 +74,53 @@ class ModelConfig(_Section):
 class DataConfig(_Section):
     """Prepared datasets (see `raytrain prepare`): each URI is a split directory holding manifest.json."""
 
-    train: Optional[str] = Field(None, description="URI of the prepared train split (dir with manifest.json)")
-    val: Optional[str] = Field(None, description="URI of the prepared validation split; None: no validation")
-    format: Literal["parquet"] = "parquet"
-    shuffle: bool = True
-    shuffle_window: int = Field(4096, ge=1, description="rows shuffled together; shard order is shuffled too")
-    prefetch_batches: int = Field(2, ge=0)
-    eval_samples: int = Field(512, ge=1, description="validation sequences per evaluation (from the start of val)")
+    train: Optional[str] = Field(None, description="URI of the prepared train split (local path or s3://...; dir with manifest.json)")
+    val: Optional[str] = Field(None, description="URI of the prepared validation split; null: no validation")
+    format: Literal["parquet"] = Field("parquet", description="shard format")
+    shuffle: bool = Field(True, description="shuffle shard order and rows each epoch (deterministic from run.seed)")
+    shuffle_window: int = Field(4096, ge=1, description="rows shuffled together inside an epoch")
+    prefetch_batches: int = Field(2, ge=0, description="Ray Data blocks read ahead of training")
+    eval_samples: int = Field(512, ge=1, description="validation sequences per evaluation (the first ones of val)")
+    stall_timeout_s: float = Field(600.0, gt=0.0, description="fail with a diagnosis when no data arrives for this long (never hang)")
 
 
 class BatchConfig(_Section):
     """Global batch = micro_batch_size x gradient_accumulation_steps x num_workers (sequences)."""
 
-    micro_batch_size: int = Field(8, ge=1)
-    gradient_accumulation_steps: Optional[int] = Field(1, ge=1, description="None: derived from global_batch_size")
-    global_batch_size: Optional[int] = Field(None, ge=1, description="If set, checked (or used to derive accumulation)")
+    micro_batch_size: int = Field(8, ge=1, description="sequences per worker per forward/backward")
+    gradient_accumulation_steps: Optional[int] = Field(1, ge=1, description="micro-batches per optimizer step; null: derived from global_batch_size")
+    global_batch_size: Optional[int] = Field(None, ge=1, description="sequences per optimizer step; if set, checked against (or used to derive) accumulation")
 
 
 class OptimConfig(_Section):
     """AdamW and its schedule (linear warmup, then cosine / linear decay to min_lr_ratio * lr)."""
 
-    lr: float = Field(3e-4, gt=0.0)
-    betas: list[float] = Field(default_factory=lambda: [0.9, 0.95], min_length=2, max_length=2)
-    eps: float = Field(1e-8, gt=0.0)
-    weight_decay: float = Field(0.1, ge=0.0)
-    warmup_steps: int = Field(100, ge=0)
-    decay: Literal["cosine", "linear", "constant"] = "cosine"
-    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
-    grad_clip: float = Field(1.0, ge=0.0, description="0 disables clipping")
+    lr: float = Field(3e-4, gt=0.0, description="peak learning rate")
+    betas: list[float] = Field(default_factory=lambda: [0.9, 0.95], min_length=2, max_length=2, description="AdamW betas")
+    eps: float = Field(1e-8, gt=0.0, description="AdamW epsilon")
+    weight_decay: float = Field(0.1, ge=0.0, description="decoupled weight decay (not applied to biases and norms)")
+    warmup_steps: int = Field(100, ge=0, description="linear warmup from lr/warmup_steps to lr")
+    decay: Literal["cosine", "linear", "constant"] = Field("cosine", description="decay after warmup, over the rest of run.max_steps")
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="final lr as a fraction of lr")
+    grad_clip: float = Field(1.0, ge=0.0, description="global gradient-norm clip; 0 disables")
 
 
 class PrecisionConfig(_Section):
-    """auto: bf16 on a GPU that has it, fp16 on older GPUs, fp32 on CPU."""
+    """Mixed precision. auto: bf16 on a GPU that has it, fp16 on older GPUs, fp32 on CPU."""
 
-    dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
-    initial_scale_power: int = Field(16, ge=0, description="fp16 dynamic loss scale starts at 2**this")
-    loss_scale_window: int = Field(1000, ge=1)
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field("auto", description="training precision")
+    initial_scale_power: int = Field(16, ge=0, description="fp16: dynamic loss scale starts at 2**this")
+    loss_scale_window: int = Field(1000, ge=1, description="fp16: steps without overflow before the scale grows")
 
 
 class DeepSpeedSection(_Section):
     """ZeRO settings; `extra` is deep-merged into the generated DeepSpeed JSON as an escape hatch."""
 
-    zero_stage: int = Field(2, ge=0, le=3)
-    offload_optimizer: Literal["none", "cpu", "nvme"] = "none"
-    offload_param: Literal["none", "cpu", "nvme"] = "none"
-    nvme_path: Optional[str] = None
-    extra: dict[str, Any] = Field(default_factory=dict)
+    zero_stage: int = Field(2, ge=0, le=3, description="0: plain data parallel; 1: shard optimizer; 2: + gradients; 3: + parameters")
+    offload_optimizer: Literal["none", "cpu", "nvme"] = Field("none", description="optimizer state offload (stage >= 1)")
+    offload_param: Literal["none", "cpu", "nvme"] = Field("none", description="parameter offload (stage 3)")
+    nvme_path: Optional[str] = Field(None, description="local NVMe directory for nvme offload")
+    extra: dict[str, Any] = Field(default_factory=dict, description="any DeepSpeed config keys, merged over the generated ones")
 
     @model_validator(mode="after")
     def _offload_needs_stage(self) -> "DeepSpeedSection":
@@ -134,30 +136,32 @@ class DeepSpeedSection(_Section):
 class ScalingSection(_Section):
     """Ray Train workers and the CPUs kept free for Ray Data (so ingest never starves)."""
 
-    num_workers: int = Field(2, ge=1)
-    use_gpu: bool = False
-    cpus_per_worker: float = Field(1.0, gt=0.0)
-    gpus_per_worker: float = Field(1.0, ge=0.0)
-    resources_per_worker: dict[str, float] = Field(default_factory=dict, description="extra custom resources, e.g. {spot: 1}")
-    data_cpus: float = Field(1.0, gt=0.0, description="logical CPUs reserved for Ray Data read tasks, per job")
-    address: Optional[str] = Field(None, description="Ray address; None: RAY_ADDRESS, else a local Ray instance")
+    num_workers: int = Field(2, ge=1, description="Ray Train workers (data-parallel ranks)")
+    use_gpu: bool = Field(False, description="one GPU per worker, NCCL; false: CPU and gloo")
+    cpus_per_worker: float = Field(1.0, gt=0.0, description="logical CPUs per worker (also torch threads)")
+    gpus_per_worker: float = Field(1.0, ge=0.0, description="GPUs per worker when use_gpu")
+    resources_per_worker: dict[str, float] = Field(default_factory=dict, description="extra custom Ray resources per worker, e.g. {spot: 1}")
+    data_cpus: float = Field(1.0, gt=0.0, description="logical CPUs left free for Ray Data read tasks (split over workers)")
+    address: Optional[str] = Field(None, description="Ray cluster address; null: RAY_ADDRESS if set, else a new local Ray instance")
 
 
 class CheckpointSection(_Section):
     """Where the run lives (`<storage>/<run.name>/`) and how often its state is saved."""
 
-    storage: str = Field("~/raytrain_runs", description="local path or s3://bucket/prefix")
-    every_n_steps: int = Field(1000, ge=1)
-    keep_last: int = Field(3, ge=1)
-    save_final: bool = True
+    storage: str = Field("~/raytrain_runs", description="run storage: local path or s3://bucket/prefix (AWS_ENDPOINT_URL for other S3 stores)")
+    every_n_steps: int = Field(1000, ge=1, description="checkpoint interval in optimizer steps")
+    keep_last: int = Field(3, ge=1, description="complete checkpoints kept; older ones are deleted")
+    save_final: bool = Field(True, description="checkpoint at run.max_steps")
 
 
 class RunSection(_Section):
-    name: str = Field("run", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
-    max_steps: int = Field(100, ge=1)
-    seed: int = 0
-    eval_every: int = Field(100, ge=0, description="0: only at the end")
-    log_every: int = Field(10, ge=1)
+    """Identity and length of a run. The same name and storage resume the run."""
+
+    name: str = Field("run", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$", description="run name: its directory under checkpoint.storage")
+    max_steps: int = Field(100, ge=1, description="optimizer steps to train")
+    seed: int = Field(0, description="seed for init, data order and RNGs")
+    eval_every: int = Field(100, ge=0, description="validation interval in steps; 0: only at the end (and step 0)")
+    log_every: int = Field(10, ge=1, description="metrics / console interval in steps")
     max_failures: int = Field(3, ge=0, description="worker-failure restarts before the run fails")
 
 
@@ -214,6 +218,24 @@ class Config(_Section):
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def reference_markdown() -> str:
+    """Every config key with type, default and meaning: docs/CONFIG.md is generated from this."""
+    lines = ["# Config reference", "",
+             "Generated by `raytrain config --reference`; every key can be set in a recipe YAML or as a",
+             "dotted override (`raytrain train --config tiny optim.lr=3e-4`), and the same dotted keys",
+             "name Tune search-space dimensions.", ""]
+    for section, field in Config.model_fields.items():
+        cls = field.annotation
+        lines += [f"## `{section}`", "", (cls.__doc__ or "").strip(), "", "| key | type | default | meaning |",
+                  "| --- | --- | --- | --- |"]
+        for name, f in cls.model_fields.items():
+            ann = str(f.annotation).replace("typing.", "").replace("<class '", "").replace("'>", "")
+            default = f.default_factory() if f.default_factory else f.default
+            lines.append(f"| `{section}.{name}` | `{ann}` | `{json.dumps(default)}` | {f.description or ''} |")
+        lines.append("")
+    return "\n".join(lines)
 
 
 def join_uri(base: str, *parts: str) -> str:

@@ -68,9 +68,11 @@ def check_cluster(cfg: Config) -> None:
     total = ray.cluster_resources().get("CPU", 0)
     need = cfg.scaling.num_workers * cfg.scaling.cpus_per_worker + cfg.scaling.data_cpus
     if total < need:
-        print(f"[raytrain] warning: cluster has {total:g} CPUs now, the run needs {need:g} "
-              f"({cfg.scaling.num_workers} workers x {cfg.scaling.cpus_per_worker:g} + {cfg.scaling.data_cpus:g} for "
-              f"data); waiting for the autoscaler", flush=True)
+        # Not an error: on an autoscaling cluster the nodes come. If they never do, the workers' data
+        # stall timeout turns the wait into a clear error instead of a hang.
+        print(f"[raytrain] warning: the cluster has {total:g} CPUs now; the run needs {need:g} "
+              f"({cfg.scaling.num_workers} workers x {cfg.scaling.cpus_per_worker:g} + {cfg.scaling.data_cpus:g} "
+              f"for Ray Data). Waiting for the autoscaler; without one, training data will starve.", flush=True)
 
 
 def _root_user_error(err: BaseException) -> Optional[str]:

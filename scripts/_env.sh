@@ -17,13 +17,14 @@ stamp="$VENV/.raytrain-installed${EXTRAS:+-$EXTRAS}"
 want="$(sha256sum "$ROOT/pyproject.toml" | cut -d' ' -f1)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "[setup] installing raytrain${EXTRAS:+[$EXTRAS]} and its pinned dependencies (first time: a few minutes)"
-  python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+  # This machine's pip config names local indexes that may not exist; pip warns for each package.
+  quiet() { "$@" 2>&1 | { grep -v "^WARNING: Location .* is ignored" || true; }; }
   # torch first, pinned: an unpinned resolve pulls a multi-GB CUDA build on CPU machines.
   # On GPU machines install the CUDA build of the same version before running this script.
   if ! python -c "import torch" 2>/dev/null; then
-    python -m pip install -q "torch==2.13.0"
+    quiet python -m pip install -q "torch==2.13.0"
   fi
-  python -m pip install -q -e "$ROOT${EXTRAS:+[$EXTRAS]}"
+  quiet python -m pip install -q -e "$ROOT${EXTRAS:+[$EXTRAS]}"
   echo "$want" > "$stamp"
 fi
 

@@ -72,3 +72,12 @@ def test_yaml_scientific_notation_is_a_number(tmp_path):
     p = tmp_path / "sci.yaml"
     p.write_text("optim:\n  lr: 3e-4\n")
     assert load_config(str(p)).optim.lr == 3e-4
+
+
+def test_config_reference_doc_is_current():
+    from pathlib import Path
+
+    from raytrain.config import reference_markdown
+
+    doc = Path(__file__).parent.parent / "docs" / "CONFIG.md"
+    assert doc.read_text() == reference_markdown() + "\n", "regenerate: raytrain config --reference > docs/CONFIG.md"

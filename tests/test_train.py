@@ -98,3 +98,11 @@ def test_resume_with_other_world_size_is_refused(ray_cluster, tiny_data, tmp_pat
     cfg1 = tiny_cfg(tiny_data, tmp_path, "resize", "run.max_steps=8", "scaling.num_workers=1")
     with pytest.raises(UserError, match="written by 2 workers"):
         train(cfg1, log=lambda *_: None)
+
+
+def test_workers_taking_every_cpu_fail_clearly_instead_of_hanging(ray_cluster, tiny_data, tmp_path):
+    """4 logical CPUs, 2 workers x 2 CPUs: Ray Data gets none. The run must end with a diagnosis."""
+    cfg = tiny_cfg(tiny_data, tmp_path, "starved", "scaling.cpus_per_worker=2", "data.stall_timeout_s=20")
+    with pytest.raises(UserError, match="no training data arrived for 20s .* need free CPUs"):
+        train(cfg, log=lambda *_: None)
+    assert not list(tmp_path.rglob("checkpoint_*"))

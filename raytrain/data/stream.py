@@ -21,6 +21,7 @@ import numpy as np
 import pyarrow as pa
 
 from raytrain.data.manifest import Split
+from raytrain.errors import UserError
 
 
 def _tokens_to_numpy(col, window: int) -> np.ndarray:
@@ -68,10 +69,11 @@ class SampleStream:
 
     def __init__(self, split: Split, seed: int, shuffle: bool = True, window: int = 4096,
                  position: int = 0, reader: str = "ray", prefetch: int = 2, read_cpus: float = 0.5,
-                 background: bool = False):
+                 background: bool = False, stall_timeout_s: float = 600.0):
         self.split, self.seed, self.shuffle, self.window = split, seed, shuffle, window
         self.position = position
         self.background = background
+        self.stall_timeout_s = stall_timeout_s
         self._read = READERS[reader]
         self._read_kwargs = {"prefetch": prefetch, "read_cpus": read_cpus}
         self._width = split.seq_len + 1
@@ -144,7 +146,10 @@ class SampleStream:
 
         def consume() -> Iterator[np.ndarray]:
             while True:
-                item = q.get()
+                try:
+                    item = q.get(timeout=self.stall_timeout_s)
+                except queue.Empty:
+                    raise UserError(self._stall_message()) from None
                 if isinstance(item, BaseException):
                     raise item
                 yield item
@@ -156,6 +161,18 @@ class SampleStream:
         if self._gen is None:
             self._gen = self._prefetching() if self.background else self._all_rows()
         return self
+
+    def _stall_message(self) -> str:
+        msg = (f"no training data arrived for {self.stall_timeout_s:.0f}s from {self.split.uri}. ")
+        try:
+            import ray
+
+            total, free = ray.cluster_resources().get("CPU", 0), ray.available_resources().get("CPU", 0)
+            msg += f"The cluster has {total:g} CPUs, {free:g} free: "
+        except Exception:  # noqa: BLE001 - diagnosis only
+            pass
+        return msg + ("Ray Data's read tasks need free CPUs; lower scaling.cpus_per_worker, raise scaling.data_cpus "
+                      "on a cluster with spare CPUs, or add nodes (data.stall_timeout_s sets this limit)")
 
     def take(self, n: int) -> np.ndarray:
         if self._gen is None:

@@ -95,7 +95,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
     # initialisation slowed both down more than running them one after the other.
     stream = SampleStream(train_split, cfg.run.seed, cfg.data.shuffle, cfg.data.shuffle_window, state.samples_seen,
                           reader=loop_config.get("reader", "ray"), prefetch=cfg.data.prefetch_batches,
-                          read_cpus=cfg.scaling.data_cpus / max(1, world), background=True).start()
+                          read_cpus=cfg.scaling.data_cpus / max(1, world), background=True,
+                          stall_timeout_s=cfg.data.stall_timeout_s).start()
 
     # Validation is small and read once, so a direct read beats starting a Ray Data pipeline for it.
     evaluate = Evaluator(val_split, cfg.data.eval_samples, cfg.batch.micro_batch_size, rank, world, device,

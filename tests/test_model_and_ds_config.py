@@ -1,0 +1,54 @@
+"""Model construction from config and the generated DeepSpeed config / LR schedule."""
+
+import pytest
+import torch
+
+from raytrain.config import load_config
+from raytrain.ds_config import build_ds_config, lr_lambda, resolve_dtype
+from raytrain.model import build_model, flops_per_token, param_count
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_models_build_deterministically_and_run(family):
+    cfg = load_config("tiny", [f"model.family={family}", "model.n_layer=1", "model.hidden_size=32",
+                               "model.n_head=4", "model.seq_len=16"]).model
+    a, b = build_model(cfg, 100, seed=1), build_model(cfg, 100, seed=1)
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(pa, pb)
+    logits = a(input_ids=torch.randint(0, 100, (2, 16))).logits
+    assert logits.shape == (2, 16, 100)
+    n = param_count(a)
+    assert 0 < n < sum(p.numel() for p in a.parameters()) + 1
+    assert flops_per_token(n, cfg) > 6 * n
+
+
+def test_ds_config_is_derived_from_ours():
+    cfg = load_config("tiny", ["batch.micro_batch_size=4", "batch.gradient_accumulation_steps=3",
+                               "scaling.num_workers=2", "optim.grad_clip=0.5", "deepspeed.zero_stage=3",
+                               "deepspeed.extra.zero_optimization.reduce_bucket_size=1000"])
+    ds = build_ds_config(cfg, world_size=2, dtype="bf16", cuda=True)
+    assert ds["train_batch_size"] == 24 and ds["train_micro_batch_size_per_gpu"] == 4
+    assert ds["gradient_accumulation_steps"] == 3 and ds["gradient_clipping"] == 0.5
+    assert ds["bf16"] == {"enabled": True} and "fp16" not in ds
+    assert ds["zero_optimization"]["stage"] == 3 and ds["zero_optimization"]["reduce_bucket_size"] == 1000
+    fp16 = build_ds_config(cfg, 2, "fp16", True)["fp16"]
+    assert fp16["enabled"] and fp16["loss_scale"] == 0  # 0 = dynamic loss scaling
+
+
+def test_dtype_auto():
+    cfg = load_config("tiny")
+    assert resolve_dtype(cfg, cuda=False, bf16_supported=False) == "fp32"
+    assert resolve_dtype(cfg, cuda=True, bf16_supported=True) == "bf16"
+    assert resolve_dtype(cfg, cuda=True, bf16_supported=False) == "fp16"
+
+
+@pytest.mark.parametrize("decay", ["cosine", "linear"])
+def test_lr_schedule_warmup_then_decay_to_min(decay):
+    cfg = load_config("tiny", ["optim.warmup_steps=10", "run.max_steps=110", f"optim.decay={decay}",
+                               "optim.min_lr_ratio=0.1"])
+    f = lr_lambda(cfg)
+    assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)
+    assert f(10) == pytest.approx(1.0)
+    assert f(60) == pytest.approx(0.55)
+    assert f(110) == pytest.approx(0.1)
+    assert all(f(s) >= f(s + 1) for s in range(10, 110))
