@@ -86,6 +86,30 @@ def list_checkpoints(run_uri: str) -> list[str]:
     return [storage.join(run_uri, n) for n in storage.list_dir(run_uri) if _NAME.match(n)]
 
 
+def describe(run_uri: str, deep: bool = False) -> list[dict]:
+    """One row per checkpoint: step, complete, reason, bytes, committed time, val_ppl at that step."""
+    val_ppl = {}
+    murl = storage.join(run_uri, "metrics.jsonl")
+    if storage.exists(murl):
+        for line in storage.read_text(murl).splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if "val_ppl" in rec:
+                val_ppl[rec["step"]] = rec["val_ppl"]
+    rows = []
+    for uri in list_checkpoints(run_uri):
+        info = verify(uri, deep=deep)
+        manifest = {}
+        if info.complete:
+            manifest = json.loads(storage.read_text(storage.join(uri, MANIFEST)))
+        rows.append({"checkpoint": uri.rsplit("/", 1)[-1], "step": info.step, "complete": info.complete,
+                     "reason": info.reason, "bytes": sum(f["size"] for f in manifest.get("files", {}).values()),
+                     "committed": manifest.get("committed"), "val_ppl": val_ppl.get(info.step)})
+    return rows
+
+
 def latest_complete(run_uri: str, log=None) -> Optional[CheckpointInfo]:
     """The newest checkpoint that verifies; incomplete newer ones are skipped with a warning."""
     for uri in reversed(list_checkpoints(run_uri)):

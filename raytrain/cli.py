@@ -1,4 +1,4 @@
-"""Command line: `raytrain train | prepare | config`. Thin: parse, call the component, print one-line errors."""
+"""Command line: `raytrain train | prepare | ckpt | config`. Thin: parse, call the component, print one-line errors."""
 
 from __future__ import annotations
 
@@ -40,6 +40,30 @@ def _cmd_config(args) -> int:
     return 0
 
 
+def _cmd_ckpt(args) -> int:
+    from raytrain import storage
+    from raytrain.checkpoints import describe
+
+    run_uri = storage.absolute(args.run_uri)
+    if not storage.exists(run_uri):
+        raise UserError(f"run directory not found: {run_uri}")
+    rows = describe(run_uri, deep=args.action == "verify" and not args.quick)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        print(f"{'checkpoint':22} {'step':>8} {'state':10} {'size':>10} {'val_ppl':>9}  committed / problem")
+        for r in rows:
+            ppl = f"{r['val_ppl']:.2f}" if r["val_ppl"] is not None else "-"
+            state = "complete" if r["complete"] else "INCOMPLETE"
+            print(f"{r['checkpoint']:22} {r['step']:>8} {state:10} {r['bytes'] / 2**20:>8.1f}MB {ppl:>9}  "
+                  f"{r['committed'] if r['complete'] else r['reason']}")
+        if not rows:
+            print(f"(no checkpoints under {run_uri})")
+    bad = [r for r in rows if not r["complete"]]
+    # verify exits non-zero when anything is incomplete, so scripts can gate on it.
+    return 1 if args.action == "verify" and (bad or not rows) else 0
+
+
 def format_summary(s: dict) -> str:
     def f(v, fmt):
         return format(v, fmt) if isinstance(v, (int, float)) else str(v)
@@ -68,6 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--config", "-c", default=None, help="YAML file of prepare settings")
     pr.add_argument("overrides", nargs="*", help="e.g. inputs=[python-docs] out=data/docs seq_len=128")
     pr.set_defaults(fn=_cmd_prepare)
+    k = sub.add_parser("ckpt", help="list or verify a run's checkpoints")
+    k.add_argument("action", choices=["list", "verify"], help="verify checks every file's sha256 and exits 1 "
+                   "if any checkpoint is incomplete")
+    k.add_argument("run_uri", help="run directory: <checkpoint.storage>/<run.name> (local path or s3://)")
+    k.add_argument("--quick", action="store_true", help="verify sizes only, not checksums")
+    k.add_argument("--json", action="store_true")
+    k.set_defaults(fn=_cmd_ckpt)
     c = sub.add_parser("config", help="print the resolved config")
     c.add_argument("--config", "-c", default="tiny")
     c.add_argument("--reference", action="store_true", help="print every config key as Markdown")

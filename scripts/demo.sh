@@ -54,12 +54,8 @@ ray job submit --working-dir "$ROOT" \
   data.train="$DATA/train" data.val="$DATA/val" \
   checkpoint.storage="$RUNS" run.name="$RUN_NAME" "$@"
 
-python - "$RUNS/$RUN_NAME" <<'PY'
-import sys
-from raytrain.cli import format_summary
-from raytrain.worker.runlog import read_summary
-s = read_summary(sys.argv[1])
-if s is None:
-    sys.exit(f"[demo] error: no summary.json in {sys.argv[1]}; the job did not finish")
-print(format_summary(s))
-PY
+if [ ! -f "$RUNS/$RUN_NAME/summary.json" ]; then
+  echo "[demo] error: no summary.json in $RUNS/$RUN_NAME; the job did not finish" >&2
+  exit 1
+fi
+echo "[demo] done. Look around: raytrain ckpt list $RUNS/$RUN_NAME ; cat $RUNS/$RUN_NAME/metrics.jsonl"

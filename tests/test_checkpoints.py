@@ -54,3 +54,17 @@ def test_prune_keeps_newest_and_protected(tmp_path, keep):
     left = sorted(p.name for p in tmp_path.iterdir())
     assert "checkpoint_00000004" in left and "checkpoint_00000001" in left
     assert len(deleted) == 3 - keep
+
+
+def test_ckpt_cli_list_and_verify(tmp_path, capsys):
+    from raytrain.cli import main
+
+    _make(tmp_path, 1)
+    _make(tmp_path, 2)
+    assert main(["ckpt", "verify", str(tmp_path)]) == 0
+    assert "checkpoint_00000002" in capsys.readouterr().out
+    _make(tmp_path, 3, commit=False)
+    assert main(["ckpt", "verify", str(tmp_path)]) == 1
+    assert "INCOMPLETE" in capsys.readouterr().out
+    assert main(["ckpt", "list", str(tmp_path)]) == 0
+    assert main(["ckpt", "list", str(tmp_path / "nope")]) == 2
