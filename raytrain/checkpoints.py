@@ -46,6 +46,15 @@ def commit(ckpt_uri: str, step: int, files: dict[str, dict], extra: Optional[dic
     storage.write_text(storage.join(ckpt_uri, MANIFEST), json.dumps(manifest, indent=1, sort_keys=True))
 
 
+def uncommit(ckpt_uri: str) -> None:
+    """Remove a checkpoint's manifest (if any): from this moment it no longer counts."""
+    fs, path = storage.resolve(storage.join(ckpt_uri, MANIFEST))
+    try:
+        fs.delete_file(path)
+    except (FileNotFoundError, OSError):
+        pass
+
+
 @dataclass
 class CheckpointInfo:
     uri: str
@@ -122,14 +131,19 @@ def latest_complete(run_uri: str, log=None) -> Optional[CheckpointInfo]:
 
 
 def prune(run_uri: str, keep_last: int, protect: tuple[str, ...] = ()) -> list[str]:
-    """Delete complete checkpoints beyond the newest `keep_last`; never a protected one. Returns deleted URIs."""
-    complete = [u for u in list_checkpoints(run_uri) if verify(u).complete]
-    doomed = [u for u in complete[:-keep_last] if u not in protect] if keep_last > 0 else []
+    """Delete complete checkpoints beyond the newest `keep_last`, and incomplete ones older than the newest
+    complete one (nothing can resume from them); never a protected one. Returns deleted URIs."""
+    all_uris = list_checkpoints(run_uri)
+    complete = [u for u in all_uris if verify(u).complete]
+    doomed = complete[:-keep_last] if keep_last > 0 else []
+    if complete:
+        newest = all_uris.index(complete[-1])
+        doomed += [u for u in all_uris[:newest] if u not in complete]
+    doomed = [u for u in doomed if u not in protect]
     for uri in doomed:
+        uncommit(uri)  # manifest first: a half-deleted checkpoint must never look complete
         fs, path = storage.resolve(uri)
-        # Manifest first: a half-deleted checkpoint must never look complete.
         try:
-            fs.delete_file(storage.resolve(storage.join(uri, MANIFEST))[1])
             fs.delete_dir(path)
         except OSError:
             pass

@@ -159,7 +159,7 @@ class RunSection(_Section):
 
     name: str = Field("run", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$", description="run name: its directory under checkpoint.storage")
     max_steps: int = Field(100, ge=1, description="optimizer steps to train")
-    seed: int = Field(0, description="seed for init, data order and RNGs")
+    seed: int = Field(0, ge=0, lt=2**32, description="seed for init, data order and RNGs")
     eval_every: int = Field(100, ge=0, description="validation interval in steps; 0: only at the end (and step 0)")
     log_every: int = Field(10, ge=1, description="metrics / console interval in steps")
     max_failures: int = Field(3, ge=0, description="worker-failure restarts before the run fails")

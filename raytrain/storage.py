@@ -26,6 +26,8 @@ def _s3_filesystem() -> pafs.S3FileSystem:
     kwargs = {}
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
     if endpoint:
+        if "://" not in endpoint:
+            endpoint = "https://" + endpoint  # AWS tools assume https when no scheme is given
         parsed = urlparse(endpoint)
         kwargs["endpoint_override"] = parsed.netloc or parsed.path
         kwargs["scheme"] = parsed.scheme or "https"
@@ -38,10 +40,22 @@ def _s3_filesystem() -> pafs.S3FileSystem:
     return pafs.S3FileSystem(**kwargs)
 
 
+def _s3_path(uri: str) -> str:
+    path = uri[len("s3://"):].rstrip("/")
+    bucket = path.split("/", 1)[0]
+    if "@" in bucket or ":" in bucket:
+        # Never echo the URI: it may carry an access key. Credentials come from the AWS chain only.
+        raise UserError("s3 URIs must not contain credentials or ports (s3://bucket/prefix); set AWS_* "
+                        "variables or use the AWS credential chain, and AWS_ENDPOINT_URL for the endpoint")
+    if not bucket:
+        raise UserError(f"{uri!r} names no bucket: use s3://bucket/prefix")
+    return path
+
+
 def resolve(uri: str) -> tuple[pafs.FileSystem, str]:
     """URI -> (pyarrow filesystem, path within it). Local paths become absolute."""
     if uri.startswith("s3://"):
-        return _s3_filesystem(), uri[len("s3://"):].rstrip("/")
+        return _s3_filesystem(), _s3_path(uri)
     if uri.startswith("file://"):
         uri = uri[len("file://"):]
     if "://" in uri:
@@ -52,6 +66,7 @@ def resolve(uri: str) -> tuple[pafs.FileSystem, str]:
 def absolute(uri: str) -> str:
     """Normalise a URI so that it means the same thing on every node (local paths made absolute)."""
     if is_remote(uri):
+        resolve(uri)  # validates (bucket present, no credentials in the URI)
         return uri.rstrip("/")
     return resolve(uri)[1]
 
@@ -148,5 +163,5 @@ def check_writable(uri: str) -> None:
 def ray_storage(uri: str) -> tuple[str, Optional[pafs.FileSystem]]:
     """(storage_path, storage_filesystem) for Ray Train's RunConfig."""
     if uri.startswith("s3://"):
-        return uri[len("s3://"):].rstrip("/"), _s3_filesystem()
+        return _s3_path(uri), _s3_filesystem()
     return resolve(uri)[1], None

@@ -34,6 +34,10 @@ def check_inputs(cfg: Config) -> tuple[Split, Optional[Split]]:
         if cfg.model.vocab_size is not None and cfg.model.vocab_size < split.vocab_size:
             raise UserError(f"model.vocab_size={cfg.model.vocab_size} is smaller than {name}'s tokenizer "
                             f"({split.vocab_size}); set model.vocab_size=null to take it from the data")
+    vocab = cfg.model.vocab_size or train.vocab_size
+    if val is not None and val.vocab_size > vocab:
+        raise UserError(f"data.val's tokenizer has {val.vocab_size} tokens but the model has {vocab}; "
+                        f"prepare both splits with the same tokenizer")
     mb = cfg.batch.micro_batch_size
     if mb > train.num_samples:
         raise UserError(f"batch.micro_batch_size={mb} is larger than data.train ({train.num_samples} sequences); "
@@ -44,28 +48,72 @@ def check_inputs(cfg: Config) -> tuple[Split, Optional[Split]]:
     return train, val
 
 
-def init_ray(cfg: Config) -> None:
+def init_ray(cfg: Config) -> bool:
+    """Connect to (or start) Ray. Returns True when raytrain started a private local instance."""
     import ray
 
     if ray.is_initialized():
-        return
+        return False
     address = cfg.scaling.address or os.environ.get("RAY_ADDRESS")
-    env = {k: os.environ[k] for k in _FORWARDED_ENV if k in os.environ}
+    if address and address.startswith(("http://", "https://")):
+        raise UserError(f"RAY_ADDRESS={address} is the Ray Jobs API address: submit with `ray job submit -- "
+                        f"raytrain train ...`, or run on a cluster node with scaling.address=auto")
+    # Inside `ray job submit` the job's runtime_env already reaches the workers; adding keys it also
+    # sets would make Ray refuse the merge.
+    in_job = bool(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") or os.environ.get("RAY_SUBMISSION_ID"))
+    env = {k: os.environ[k] for k in _FORWARDED_ENV if k in os.environ} if not in_job else {}
     runtime_env = {"env_vars": env} if env else None
     if address:
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
-        return
+        return False
     # No address: a fresh local instance, never a stray cluster left on this machine. Its logical CPUs
     # are sized so that Train workers AND Ray Data both fit (pitfalls #1).
     need = cfg.scaling.num_workers * cfg.scaling.cpus_per_worker + cfg.scaling.data_cpus
     ray.init(address="local", num_cpus=max(int(need + 0.999), os.cpu_count() or 1), include_dashboard=False,
              runtime_env=runtime_env)
+    return True
 
 
-def check_cluster(cfg: Config) -> None:
+def check_resume_compatible(cfg: Config) -> None:
+    """Refuse, before any worker starts, a resume that cannot work (errors inside workers get retried)."""
+    import json
+
+    from raytrain import checkpoints
+
+    info = checkpoints.latest_complete(cfg.run_uri)
+    if info is None:
+        return
+    manifest = json.loads(storage.read_text(storage.join(info.uri, checkpoints.MANIFEST)))
+    wrote = manifest.get("world_size")
+    if wrote is not None and wrote != cfg.scaling.num_workers:
+        raise UserError(f"run {cfg.run.name} resumes from {info.uri}, written by {wrote} workers, but "
+                        f"scaling.num_workers={cfg.scaling.num_workers}; resume with scaling.num_workers={wrote} "
+                        f"(resharding to another size is not supported yet)")
+    print(f"[raytrain] resuming run {cfg.run.name} from {info.uri} (step {info.step})", flush=True)
+
+
+def check_cluster(cfg: Config, local: bool) -> None:
+    """Resources the run needs that this cluster lacks: an error on our own local instance (nothing will
+    ever add them), a warning on a real cluster (its autoscaler may)."""
     import ray
 
-    total = ray.cluster_resources().get("CPU", 0)
+    res = ray.cluster_resources()
+    s = cfg.scaling
+    wanted = {"GPU": s.num_workers * s.gpus_per_worker} if s.use_gpu else {}
+    wanted.update({k: v * s.num_workers for k, v in s.resources_per_worker.items()})
+    for name, amount in wanted.items():
+        if res.get(name, 0) < amount:
+            msg = (f"the run needs {amount:g} {name} ({s.num_workers} workers) but the cluster has "
+                   f"{res.get(name, 0):g}")
+            if local:
+                raise UserError(msg + ("; set scaling.use_gpu=false or run on a GPU machine" if name == "GPU" else
+                                       "; remove it from scaling.resources_per_worker or use a cluster that has it"))
+            print(f"[raytrain] warning: {msg}; waiting for the autoscaler", flush=True)
+    if len([n for n in ray.nodes() if n.get("Alive")]) > 1 and not storage.is_remote(cfg.checkpoint.storage):
+        print(f"[raytrain] warning: checkpoint.storage={cfg.checkpoint.storage} is a local path on a multi-node "
+              "cluster; each node writes its own part there, so use shared storage (s3://... or an NFS mount)",
+              flush=True)
+    total = res.get("CPU", 0)
     need = cfg.scaling.num_workers * cfg.scaling.cpus_per_worker + cfg.scaling.data_cpus
     if total < need:
         # Not an error: on an autoscaling cluster the nodes come. If they never do, the workers' data
@@ -122,8 +170,9 @@ def train(cfg: Config, log: Callable[[str], None] = print, reader: str = "ray", 
     log(f"[raytrain] run {cfg.run.name} -> {cfg.run_uri} | global batch {cfg.global_batch} sequences = "
         f"{cfg.batch.micro_batch_size} micro x {cfg.accumulation} accumulation x {cfg.scaling.num_workers} workers")
 
-    init_ray(cfg)
-    check_cluster(cfg)
+    check_resume_compatible(cfg)
+    local = init_ray(cfg)
+    check_cluster(cfg, local)
     s = cfg.scaling
     resources = {"CPU": s.cpus_per_worker, **s.resources_per_worker}
     if s.use_gpu:

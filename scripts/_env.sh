@@ -8,7 +8,20 @@ EXTRAS="${1:-}"
 
 if [ ! -x "$VENV/bin/python" ]; then
   echo "[setup] creating $VENV"
-  "$PY" -m venv "$VENV"
+  if ! "$PY" -m venv "$VENV" >/dev/null 2>&1; then
+    rm -rf "$VENV"
+    echo "[setup] error: '$PY -m venv' failed; install the venv module (Debian/Ubuntu: apt-get install python3-venv)" >&2
+    exit 1
+  fi
+fi
+# DeepSpeed compiles a small C++ op against the Python headers at first use.
+if ! "$VENV/bin/python" -c "import os,sys,sysconfig; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h')))"; then
+  echo "[setup] error: Python headers (Python.h) not found; DeepSpeed needs them (Debian/Ubuntu: apt-get install python3-dev)" >&2
+  exit 1
+fi
+if ! command -v gcc >/dev/null 2>&1 && ! command -v cc >/dev/null 2>&1; then
+  echo "[setup] error: no C compiler; DeepSpeed needs gcc (Debian/Ubuntu: apt-get install gcc g++)" >&2
+  exit 1
 fi
 # shellcheck disable=SC1091
 source "$VENV/bin/activate"
@@ -19,8 +32,9 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "[setup] installing raytrain${EXTRAS:+[$EXTRAS]} and its pinned dependencies (first time: a few minutes)"
   # This machine's pip config names local indexes that may not exist; pip warns for each package.
   quiet() { "$@" 2>&1 | { grep -v "^WARNING: Location .* is ignored" || true; }; }
-  # torch first, pinned: an unpinned resolve pulls a multi-GB CUDA build on CPU machines.
-  # On GPU machines install the CUDA build of the same version before running this script.
+  # torch first, pinned: an unpinned resolve would pull the newest (multi-GB CUDA) build. PyPI's
+  # Linux wheel of 2.13.0 is itself a CUDA build; on CPU-only machines install the CPU wheel of the
+  # same version from PyTorch's CPU index into .venv before running this script to save the download.
   if ! python -c "import torch" 2>/dev/null; then
     quiet python -m pip install -q "torch==2.13.0"
   fi

@@ -5,7 +5,7 @@
 #   the cluster this script started. Safe to run again: each run gets a new run name.
 # Extra arguments are passed to `raytrain train` as overrides, e.g. ./scripts/demo.sh run.max_steps=100
 set -euo pipefail
-source "$(dirname "$0")/_env.sh"
+source "$(dirname "$0")/_env.sh" ""   # "" : no extras (a sourced script would see our args)
 cd "$ROOT"
 
 DATA="$ROOT/data/python-docs"
@@ -49,7 +49,7 @@ done
 
 echo "[demo] submitting run $RUN_NAME with ray job submit"
 ray job submit --working-dir "$ROOT" \
-  --runtime-env-json '{"excludes": [".venv", "data", "runs", ".git"]}' \
+  --runtime-env-json '{"excludes": ["/.venv", "/data", "/runs", "/.git"]}' \
   -- raytrain train --config tiny \
   data.train="$DATA/train" data.val="$DATA/val" \
   checkpoint.storage="$RUNS" run.name="$RUN_NAME" "$@"

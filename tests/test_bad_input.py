@@ -83,3 +83,20 @@ def test_cli_reports_one_line_and_nonzero_exit(tmp_path):
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [f"raytrain: error: data.train: dataset not found at {tmp_path}/missing "
                                              "(run `raytrain prepare` first, or fix the path)"]
+
+
+def test_jobs_api_address_is_explained(tmp_path, tiny_data, monkeypatch):
+    import ray
+
+    if ray.is_initialized():
+        pytest.skip("a Ray session is already connected in this process")
+    monkeypatch.setenv("RAY_ADDRESS", "http://127.0.0.1:8265")
+    with pytest.raises(UserError, match="Ray Jobs API address"):
+        train(tiny_cfg(tiny_data, tmp_path / "runs", "x"))
+
+
+def test_negative_seed_is_a_config_error():
+    from raytrain.config import load_config
+
+    with pytest.raises(UserError, match="run.seed"):
+        load_config("tiny", ["run.seed=-1"])

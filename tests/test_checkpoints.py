@@ -68,3 +68,20 @@ def test_ckpt_cli_list_and_verify(tmp_path, capsys):
     assert "INCOMPLETE" in capsys.readouterr().out
     assert main(["ckpt", "list", str(tmp_path)]) == 0
     assert main(["ckpt", "list", str(tmp_path / "nope")]) == 2
+
+
+def test_prune_drops_incomplete_older_than_newest_complete(tmp_path):
+    _make(tmp_path, 1)
+    _make(tmp_path, 2, commit=False)  # a crash left it behind; nothing can resume from it any more
+    _make(tmp_path, 3)
+    _make(tmp_path, 4, commit=False)  # newer than every complete one: may be in flight, keep
+    checkpoints.prune(str(tmp_path), keep_last=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint_00000001", "checkpoint_00000003",
+                                                          "checkpoint_00000004"]
+
+
+def test_uncommit_makes_it_incomplete(tmp_path):
+    d = _make(tmp_path, 9)
+    checkpoints.uncommit(str(d))
+    assert not checkpoints.verify(str(d)).complete
+    checkpoints.uncommit(str(tmp_path / "checkpoint_00000099"))  # missing: no error

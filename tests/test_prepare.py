@@ -71,3 +71,15 @@ def test_prepare_cli(tmp_path, corpus_dir):
                        timeout=120)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout[r.stdout.index("{"):])["train"]["samples"] > 0
+
+
+def test_prepare_config_file_errors(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("inputs: [unclosed\n")
+    with pytest.raises(UserError, match="not valid YAML"):
+        load_prepare_config(str(bad), [])
+    bad.write_text("- a\n- b\n")
+    with pytest.raises(UserError, match="must be a mapping"):
+        load_prepare_config(str(bad), [])
+    with pytest.raises(UserError, match="prepare reads local files"):
+        prepare(PrepareConfig(inputs=["s3://bucket/corpus/*.txt"], out=str(tmp_path / "o")), log=lambda *_: None)

@@ -60,6 +60,8 @@ def _chunks(text: str, target: int) -> Iterator[str]:
 
 
 def _expand(spec: str) -> list[Path]:
+    if "://" in spec:
+        raise UserError(f"input {spec!r}: prepare reads local files for now; copy the corpus locally first")
     paths = sorted(Path(p) for p in glob.glob(str(Path(spec).expanduser()), recursive=True))
     files = []
     for p in paths:

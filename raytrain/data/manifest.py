@@ -49,8 +49,9 @@ def load_split(uri: str, what: str = "data") -> Split:
         m = json.loads(storage.read_text(murl))
         shards = m["shards"]
         seq_len, vocab, eot = int(m["seq_len"]), int(m["vocab_size"]), int(m["eot_id"])
+        shards = [{"path": str(s["path"]), "rows": int(s["rows"]), "bytes": int(s["bytes"])} for s in shards]
     except (ValueError, KeyError, TypeError) as e:
-        raise UserError(f"{what}: {murl} is not a valid manifest ({e})") from None
+        raise UserError(f"{what}: {murl} is not a valid manifest (bad or missing {e})") from None
     if not shards or sum(s["rows"] for s in shards) == 0:
         raise UserError(f"{what}: dataset at {uri} is empty (0 sequences); prepare it from more text")
     fs, base = storage.resolve(uri)

@@ -43,7 +43,7 @@ class PrepareConfig(_Section):
     min_chars: int = Field(1, ge=0, description="documents shorter than this are dropped (counted)")
     text_field: str = "text"
     max_chars: int = Field(3_000_000, ge=1, description="cap on the built-in corpus size")
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**32)
 
 
 def load_prepare_config(path: Optional[str], overrides: list[str]) -> PrepareConfig:
@@ -53,6 +53,10 @@ def load_prepare_config(path: Optional[str], overrides: list[str]) -> PrepareCon
             tree = load_yaml(open(path).read()) or {}
         except OSError as e:
             raise UserError(f"cannot read {path}: {e.strerror}") from None
+        except yaml.YAMLError as e:
+            raise UserError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+        if not isinstance(tree, dict):
+            raise UserError(f"{path}: top level must be a mapping of prepare keys (inputs:, out:, ...)")
     ov = parse_overrides(overrides)
     for key in ov:
         check_key(key, PrepareConfig)
@@ -120,6 +124,14 @@ def write_split(rows: np.ndarray, split_uri: str, cfg: PrepareConfig, extra: dic
 
 def prepare(cfg: PrepareConfig, log=print) -> dict:
     out = storage.absolute(cfg.out)
+    # Re-running over an earlier output: its manifests go first, so a crash midway can never leave an
+    # old manifest vouching for new shards.
+    for split in ("train", "val"):
+        fs, path = storage.resolve(storage.join(out, split, mf.MANIFEST))
+        try:
+            fs.delete_file(path)
+        except (FileNotFoundError, OSError):
+            pass
     docs_all = list(iter_documents(cfg.inputs, cfg.text_field, cfg.max_chars))
     docs = [d.strip() for d in docs_all]
     dropped_short = sum(1 for d in docs if len(d) < max(cfg.min_chars, 1))

@@ -72,6 +72,10 @@ def save(engine, state: TrainState, config_yaml: str, rank: int, metrics: dict, 
                 f.write(config_yaml)
         name = dir_name(state.step)
         files = checkpoints.hash_local_files(d)
+        if rank == 0:
+            # A directory of this name can exist from an earlier attempt; its old manifest must not
+            # vouch for the files about to be overwritten.
+            checkpoints.uncommit(storage.join(run_uri, name))
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d), checkpoint_dir_name=name)
     # Each rank's report returns after its own upload; gathering afterwards is the barrier that
     # proves all uploads are done before the manifest makes the checkpoint count.
