@@ -74,22 +74,36 @@ def init_ray(cfg: Config) -> bool:
     return True
 
 
-def check_resume_compatible(cfg: Config) -> None:
-    """Refuse, before any worker starts, a resume that cannot work (errors inside workers get retried)."""
+def check_resume_compatible(cfg: Config) -> Config:
+    """Before any worker starts: find the checkpoint this run resumes from and keep its global batch.
+
+    Resuming with another number of workers is supported (the engine state is resharded through
+    DeepSpeed's universal checkpoint format); the global batch is held by recomputing accumulation,
+    so the data position and the optimisation trajectory mean the same thing as before.
+    """
     import json
 
     from raytrain import checkpoints
 
     info = checkpoints.latest_complete(cfg.run_uri)
     if info is None:
-        return
+        return cfg
     manifest = json.loads(storage.read_text(storage.join(info.uri, checkpoints.MANIFEST)))
-    wrote = manifest.get("world_size")
-    if wrote is not None and wrote != cfg.scaling.num_workers:
-        raise UserError(f"run {cfg.run.name} resumes from {info.uri}, written by {wrote} workers, but "
-                        f"scaling.num_workers={cfg.scaling.num_workers}; resume with scaling.num_workers={wrote} "
-                        f"(resharding to another size is not supported yet)")
-    print(f"[raytrain] resuming run {cfg.run.name} from {info.uri} (step {info.step})", flush=True)
+    wrote, old_gb = manifest.get("world_size"), manifest.get("global_batch")
+    print(f"[raytrain] resuming run {cfg.run.name} from {info.uri} (step {info.step}, {wrote} workers)", flush=True)
+    if not old_gb or old_gb == cfg.global_batch:
+        return cfg
+    per_step = cfg.batch.micro_batch_size * cfg.scaling.num_workers
+    if old_gb % per_step:
+        raise UserError(f"run {cfg.run.name} was trained with a global batch of {old_gb} sequences; with "
+                        f"{cfg.scaling.num_workers} workers x micro_batch_size {cfg.batch.micro_batch_size} it cannot be "
+                        f"kept (not a multiple of {per_step}); choose batch.micro_batch_size dividing "
+                        f"{old_gb // cfg.scaling.num_workers if old_gb % cfg.scaling.num_workers == 0 else 'it'}")
+    acc = old_gb // per_step
+    print(f"[raytrain] keeping the run's global batch of {old_gb}: gradient_accumulation_steps "
+          f"{cfg.accumulation} -> {acc} for {cfg.scaling.num_workers} workers", flush=True)
+    batch = cfg.batch.model_copy(update={"gradient_accumulation_steps": acc, "global_batch_size": None})
+    return cfg.model_copy(update={"batch": batch})
 
 
 def check_cluster(cfg: Config, local: bool) -> None:
@@ -166,11 +180,10 @@ def train(cfg: Config, log: Callable[[str], None] = print, reader: str = "ray", 
         update={"storage": storage.absolute(cfg.checkpoint.storage)})})
     train_split, val_split = check_inputs(cfg)
     storage.check_writable(cfg.run_uri)
-    storage.write_text(storage.join(cfg.run_uri, "config.yaml"), cfg.to_yaml())
+    cfg = check_resume_compatible(cfg)
     log(f"[raytrain] run {cfg.run.name} -> {cfg.run_uri} | global batch {cfg.global_batch} sequences = "
         f"{cfg.batch.micro_batch_size} micro x {cfg.accumulation} accumulation x {cfg.scaling.num_workers} workers")
-
-    check_resume_compatible(cfg)
+    storage.write_text(storage.join(cfg.run_uri, "config.yaml"), cfg.to_yaml())
     local = init_ray(cfg)
     check_cluster(cfg, local)
     s = cfg.scaling

@@ -92,12 +92,27 @@ def test_resubmitted_run_resumes_from_s3(ray_cluster, s3_server, corpus_dir, tmp
         assert got[step] == pytest.approx(want[step], abs=1e-5), step
 
 
-def test_resume_with_other_world_size_is_refused(ray_cluster, tiny_data, tmp_path):
-    cfg = tiny_cfg(tiny_data, tmp_path, "resize", "run.max_steps=4", "checkpoint.every_n_steps=4")
-    train(cfg, log=lambda *_: None)
-    cfg1 = tiny_cfg(tiny_data, tmp_path, "resize", "run.max_steps=8", "scaling.num_workers=1")
-    with pytest.raises(UserError, match="written by 2 workers"):
-        train(cfg1, log=lambda *_: None)
+def test_resize_2_to_1_to_2_keeps_data_position_and_global_batch(ray_cluster, tiny_data, tmp_path, baseline):
+    """Elastic resume: the engine state is resharded, accumulation adjusted, the sample stream continues."""
+    _, want = baseline
+    common = ("checkpoint.every_n_steps=4", "run.max_steps=12")  # same LR schedule as the baseline
+    # Each segment dies one step after a checkpoint (the injected crash), like a lost node.
+    with pytest.raises(Exception):
+        train(tiny_cfg(tiny_data, tmp_path, "resize", *common), log=lambda *_: None,
+              inject={"crash_at_step": 5, "marker": str(tmp_path / "m1")})
+    one = tiny_cfg(tiny_data, tmp_path, "resize", *common, "scaling.num_workers=1")
+    with pytest.raises(Exception):  # 1 worker: accumulation 1 -> 2 keeps 8 sequences per step
+        train(one, log=lambda *_: None, inject={"crash_at_step": 9, "marker": str(tmp_path / "m2")})
+    two = tiny_cfg(tiny_data, tmp_path, "resize", *common)
+    summary = train(two, log=lambda *_: None)
+    got = _losses(two.run_uri)
+    assert sorted(got) == list(range(1, 13)) and summary["steps"] == 12
+    # Same samples in the same steps, same optimizer state: the uninterrupted run's losses.
+    for step in range(5, 13):
+        assert got[step] == pytest.approx(want[step], abs=1e-5), step
+    for step in (8, 12):
+        state = json.loads((tmp_path / "resize" / f"checkpoint_{step:08d}" / "raytrain_state.json").read_text())
+        assert state["samples_seen"] == step * 8 and state["global_batch"] == 8
 
 
 def test_workers_taking_every_cpu_fail_clearly_instead_of_hanging(ray_cluster, tiny_data, tmp_path):

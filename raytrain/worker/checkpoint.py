@@ -35,6 +35,7 @@ class TrainState:
     tokens_seen: int = 0
     world_size: int = 1
     restarts: int = 0
+    global_batch: int = 0  # sequences per step when saved; a resized resume keeps it
 
 
 def dir_name(step: int) -> str:
@@ -85,7 +86,8 @@ def save(engine, state: TrainState, config_yaml: str, rank: int, metrics: dict, 
     if rank == 0:
         merged = {k: v for per_rank in gathered for k, v in per_rank.items()}
         uri = storage.join(run_uri, name)
-        checkpoints.commit(uri, state.step, merged, {"world_size": state.world_size})
+        checkpoints.commit(uri, state.step, merged, {"world_size": state.world_size,
+                                                     "global_batch": state.global_batch})
         checkpoints.prune(run_uri, keep_last, protect=(uri,))
     return name
 
@@ -113,21 +115,47 @@ def find_resume_point(run_uri: str, rank: int):
     return ray.train.Checkpoint(path=path, filesystem=fs)
 
 
-def restore(engine, checkpoint, rank: int, world_size: int) -> Optional[TrainState]:
-    """Load engine, RNG and counters from a Ray checkpoint. Collective across ranks."""
-    from raytrain.errors import UserError
+def peek_state(checkpoint) -> TrainState:
+    """Only the counters of a checkpoint (a few bytes), read before the engine is built."""
+    with checkpoint.filesystem.open_input_stream(f"{checkpoint.path}/{STATE}") as f:
+        return TrainState(**json.loads(f.read()))
 
+
+def _to_universal(ckpt_dir: str, out_dir: str) -> str:
+    """Convert the saved engine state to DeepSpeed's universal format (any world size can load it)."""
+    import argparse
+    import contextlib
+    import io
+
+    from deepspeed.checkpoint import ds_to_universal
+
+    target = os.path.join(out_dir, ENGINE_TAG + "_universal")
+    args = argparse.Namespace(input_folder=os.path.join(ckpt_dir, ENGINE_TAG), output_folder=target,
+                              num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
+                              inject_missing_state=True)  # our ZeRO-1/2 saves carry no universal info
+    with contextlib.redirect_stdout(io.StringIO()):  # the converter prints every tensor
+        ds_to_universal.main(args)
+    return os.path.basename(target)
+
+
+def restore(engine, checkpoint, rank: int, world_size: int) -> TrainState:
+    """Load engine, RNG and counters from a checkpoint. Collective across ranks.
+
+    Written by another number of workers: the engine state is converted to DeepSpeed's universal
+    checkpoint format and loaded from there (the engine must be built with `load_universal`).
+    """
     with checkpoint.as_directory() as d:
         with open(os.path.join(d, STATE)) as f:
             state = TrainState(**json.load(f))
         if state.world_size != world_size:
-            raise UserError(
-                f"checkpoint {checkpoint.path} was written by {state.world_size} workers, this run has {world_size}; "
-                f"resume with scaling.num_workers={state.world_size}"
-            )
-        path, _ = engine.load_checkpoint(d, tag=ENGINE_TAG)
+            with tempfile.TemporaryDirectory(prefix="raytrain-universal-") as u:
+                tag = _to_universal(d, u)
+                path, _ = engine.load_checkpoint(u, tag=tag)
+        else:
+            path, _ = engine.load_checkpoint(d, tag=ENGINE_TAG)
         if path is None:
             raise RuntimeError(f"DeepSpeed could not load the engine state in {checkpoint.path}")
+        # RNG streams belong to ranks; after a resize, ranks without a saved stream keep their seed.
         rng_file = os.path.join(d, "rng", f"rank_{rank:05d}.pt")
         if os.path.exists(rng_file):
             _set_rng_state(torch.load(rng_file, weights_only=False))

@@ -70,27 +70,33 @@ def train_loop_per_worker(loop_config: dict) -> None:
     torch.manual_seed(cfg.run.seed)
     np.random.seed(cfg.run.seed)
 
+    # Resume point first: the newest committed checkpoint in the run directory, whether this is a worker
+    # restart inside one job or the same run submitted again. (Ray's own registry can miss the newest
+    # one when a worker dies right after uploading; our manifests cannot.) A checkpoint written by
+    # another number of workers is loaded through DeepSpeed's universal format.
+    resumed = ckpt.find_resume_point(cfg.run_uri, rank)
+    resharding = resumed is not None and ckpt.peek_state(resumed).world_size != world
+
     # Model and engine. DeepSpeed reuses the process group Ray Train already set up.
     vocab = cfg.model.vocab_size or train_split.vocab_size
     model = build_model(cfg.model, vocab, cfg.run.seed, train_split.eot_id)
     n_params = param_count(model)
     dtype = resolve_dtype(cfg, cuda, cuda and torch.cuda.is_bf16_supported())
+    ds_config = build_ds_config(cfg, world, dtype, cuda)
+    if resharding:
+        ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": True}
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         model_parameters=_param_groups(model, cfg.optim.weight_decay),
-        config=build_ds_config(cfg, world, dtype, cuda),
+        config=ds_config,
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg)),
         dist_init_required=False,
     )
-
-    # Resume from the newest committed checkpoint in the run directory, whether this is a worker
-    # restart inside one job or the same run submitted again. (Ray's own registry can miss the newest
-    # one when a worker dies right after uploading; our manifests cannot.)
-    state = ckpt.TrainState(world_size=world)
-    resumed = ckpt.find_resume_point(cfg.run_uri, rank)
+    state = ckpt.TrainState(world_size=world, global_batch=cfg.global_batch)
     if resumed is not None:
         state = ckpt.restore(engine, resumed, rank, world)
         state.restarts += 1
+        state.global_batch = cfg.global_batch
     # Started only now: on small machines, Ray Data's start-up competing with DeepSpeed's
     # initialisation slowed both down more than running them one after the other.
     stream = SampleStream(train_split, cfg.run.seed, cfg.data.shuffle, cfg.data.shuffle_window, state.samples_seen,
