@@ -130,12 +130,20 @@ def latest_complete(run_uri: str, log=None) -> Optional[CheckpointInfo]:
     return None
 
 
-def prune(run_uri: str, keep_last: int, protect: tuple[str, ...] = ()) -> list[str]:
-    """Delete complete checkpoints beyond the newest `keep_last`, and incomplete ones older than the newest
-    complete one (nothing can resume from them); never a protected one. Returns deleted URIs."""
+def _step_of(uri: str) -> int:
+    m = _NAME.match(uri.rstrip("/").rsplit("/", 1)[-1])
+    return int(m.group(1)) if m else -1
+
+
+def prune(run_uri: str, keep_last: int, protect: tuple[str, ...] = (), keep_every: int = 0) -> list[str]:
+    """Delete complete checkpoints beyond the newest `keep_last` (except every `keep_every`-th step), and
+    incomplete ones older than the newest complete one (nothing can resume from them); never a
+    protected one. Returns deleted URIs."""
     all_uris = list_checkpoints(run_uri)
     complete = [u for u in all_uris if verify(u).complete]
     doomed = complete[:-keep_last] if keep_last > 0 else []
+    if keep_every:
+        doomed = [u for u in doomed if _step_of(u) % keep_every]
     if complete:
         newest = all_uris.index(complete[-1])
         doomed += [u for u in all_uris[:newest] if u not in complete]

@@ -150,7 +150,8 @@ class CheckpointSection(_Section):
 
     storage: str = Field("~/raytrain_runs", description="run storage: local path or s3://bucket/prefix (AWS_ENDPOINT_URL for other S3 stores)")
     every_n_steps: int = Field(1000, ge=1, description="checkpoint interval in optimizer steps")
-    keep_last: int = Field(3, ge=1, description="complete checkpoints kept; older ones are deleted")
+    keep_last: int = Field(3, ge=1, description="the newest complete checkpoints kept")
+    keep_every: int = Field(0, ge=0, description="also keep every checkpoint whose step is a multiple of this; 0: none")
     save_final: bool = Field(True, description="checkpoint at run.max_steps")
 
 

@@ -34,9 +34,11 @@ def _s3_filesystem() -> pafs.S3FileSystem:
     region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
     if region:
         kwargs["region"] = region
-    # Fail fast instead of retrying for minutes when the endpoint is down.
+    # Transient errors (throttling, resets) are retried with backoff; a dead endpoint still fails in
+    # seconds rather than minutes.
     kwargs["connect_timeout"] = 5
     kwargs["request_timeout"] = 30
+    kwargs["retry_strategy"] = pafs.AwsStandardS3RetryStrategy(max_attempts=5)
     return pafs.S3FileSystem(**kwargs)
 
 

@@ -85,3 +85,10 @@ def test_uncommit_makes_it_incomplete(tmp_path):
     checkpoints.uncommit(str(d))
     assert not checkpoints.verify(str(d)).complete
     checkpoints.uncommit(str(tmp_path / "checkpoint_00000099"))  # missing: no error
+
+
+def test_prune_keeps_every_mth(tmp_path):
+    for s in range(1, 9):
+        _make(tmp_path, s * 100)
+    checkpoints.prune(str(tmp_path), keep_last=2, keep_every=300)
+    assert sorted(int(p.name.split("_")[1]) for p in tmp_path.iterdir()) == [300, 600, 700, 800]

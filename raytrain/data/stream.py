@@ -55,8 +55,8 @@ def read_ray(uris: list[str], window: int, prefetch: int = 2, read_cpus: float =
     ctx.enable_progress_bars = False
     fs, _ = storage.resolve(uris[0])
     paths = [storage.resolve(u)[1] for u in uris]
-    ds = ray.data.read_parquet(paths, filesystem=fs, columns=["tokens"], num_cpus=read_cpus,
-                               override_num_blocks=len(paths))
+    ds = ray.data.read_parquet(paths, filesystem=fs, num_cpus=read_cpus,
+                               override_num_blocks=len(paths)).select_columns(["tokens"])
     for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=prefetch):
         yield _tokens_to_numpy(batch["tokens"], window)
 

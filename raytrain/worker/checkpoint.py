@@ -55,7 +55,8 @@ def _set_rng_state(s: dict) -> None:
         torch.cuda.set_rng_state_all(s["cuda"])
 
 
-def save(engine, state: TrainState, config_yaml: str, rank: int, metrics: dict, run_uri: str, keep_last: int) -> str:
+def save(engine, state: TrainState, config_yaml: str, rank: int, metrics: dict, run_uri: str, keep_last: int,
+         keep_every: int = 0) -> str:
     """Collective: every rank must call it at the same step. Returns the checkpoint's directory name."""
     import ray.train
     import torch.distributed as dist
@@ -88,7 +89,7 @@ def save(engine, state: TrainState, config_yaml: str, rank: int, metrics: dict, 
         uri = storage.join(run_uri, name)
         checkpoints.commit(uri, state.step, merged, {"world_size": state.world_size,
                                                      "global_batch": state.global_batch})
-        checkpoints.prune(run_uri, keep_last, protect=(uri,))
+        checkpoints.prune(run_uri, keep_last, protect=(uri,), keep_every=keep_every)
     return name
 
 

@@ -169,7 +169,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
         log.console(rec)
         if do_ckpt:
             t = time.perf_counter()
-            last_ckpt = ckpt.save(engine, state, config_yaml, rank, rec, cfg.run_uri, cfg.checkpoint.keep_last)
+            last_ckpt = ckpt.save(engine, state, config_yaml, rank, rec, cfg.run_uri, cfg.checkpoint.keep_last,
+                                  cfg.checkpoint.keep_every)
             if rank == 0:
                 say(f"checkpoint {last_ckpt} saved in {time.perf_counter() - t:.1f}s")
         elif do_eval:
