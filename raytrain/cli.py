@@ -1,4 +1,4 @@
-"""Command line: `raytrain train | prepare | ckpt | config`. Thin: parse, call the component, print one-line errors."""
+"""Command line: `raytrain train | prepare | data | ckpt | config`. Thin: parse, call the component, print one-line errors."""
 
 from __future__ import annotations
 
@@ -24,6 +24,15 @@ def _cmd_prepare(args) -> int:
 
     report = prepare(load_prepare_config(args.config, args.overrides))
     print(json.dumps(report, indent=1))
+    return 0
+
+
+def _cmd_data(args) -> int:
+    from raytrain.data.report import compare, drift_verdict
+
+    out = compare(args.a, args.b, split=args.split)
+    out["verdict"] = drift_verdict(out["ks_doc_tokens"])
+    print(json.dumps(out, indent=1))
     return 0
 
 
@@ -92,6 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--config", "-c", default=None, help="YAML file of prepare settings")
     pr.add_argument("overrides", nargs="*", help="e.g. inputs=[python-docs] out=data/docs seq_len=128")
     pr.set_defaults(fn=_cmd_prepare)
+    d = sub.add_parser("data", help="data tools: `data compare A B` checks two prepared datasets for drift")
+    d.add_argument("action", choices=["compare"])
+    d.add_argument("a", help="prepared dataset URI (the `out` of raytrain prepare)")
+    d.add_argument("b", help="another prepared dataset URI")
+    d.add_argument("--split", default="train", choices=["train", "val"])
+    d.set_defaults(fn=_cmd_data)
     k = sub.add_parser("ckpt", help="list or verify a run's checkpoints")
     k.add_argument("action", choices=["list", "verify"], help="verify checks every file's sha256 and exits 1 "
                    "if any checkpoint is incomplete")

@@ -76,6 +76,7 @@ def test_resubmitted_run_resumes_from_s3(ray_cluster, s3_server, corpus_dir, tmp
     _, want = baseline
     data = "s3://raytrain-test/data/synthetic"
     prepare(PrepareConfig(inputs=[str(corpus_dir)], out=data, vocab_size=300, seq_len=32, shard_rows=64,
+                          near_dup_threshold=1.0,
                           val_fraction=0.1), log=lambda *_: None)
     runs = "s3://raytrain-test/runs"
     cfg = tiny_cfg(data, runs, "resubmit", "run.max_steps=12", "checkpoint.every_n_steps=4")

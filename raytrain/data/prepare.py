@@ -26,6 +26,8 @@ from raytrain import storage
 from raytrain.config import _format_error, _Section, apply_overrides, check_key, load_yaml, parse_overrides
 from raytrain.data import manifest as mf
 from raytrain.data.corpus import iter_documents
+from raytrain.data.quality import clean_documents
+from raytrain.data.report import review_sample, write_report
 from raytrain.errors import UserError
 
 EOT = "<|endoftext|>"
@@ -40,7 +42,11 @@ class PrepareConfig(_Section):
     seq_len: int = Field(128, ge=2)
     val_fraction: float = Field(0.05, ge=0.0, lt=1.0)
     shard_rows: int = Field(1024, ge=1)
-    min_chars: int = Field(1, ge=0, description="documents shorter than this are dropped (counted)")
+    min_chars: int = Field(1, ge=0, description="documents shorter than this (after normalising) are dropped (counted)")
+    max_doc_chars: int = Field(0, ge=0, description="documents longer than this are dropped (counted); 0: no limit")
+    near_dup_threshold: float = Field(0.9, gt=0.0, le=1.0, description="MinHash Jaccard above which a document is a near duplicate; 1.0 disables")
+    pii_scrub: bool = Field(False, description="replace e-mail addresses, phone numbers and IPv4 addresses (counted)")
+    review_samples: int = Field(20, ge=0, description="documents written to review_sample.jsonl for a person to read")
     text_field: str = "text"
     max_chars: int = Field(3_000_000, ge=1, description="cap on the built-in corpus size")
     seed: int = Field(0, ge=0, lt=2**32)
@@ -132,10 +138,9 @@ def prepare(cfg: PrepareConfig, log=print) -> dict:
             fs.delete_file(path)
         except (FileNotFoundError, OSError):
             pass
-    docs_all = list(iter_documents(cfg.inputs, cfg.text_field, cfg.max_chars))
-    docs = [d.strip() for d in docs_all]
-    dropped_short = sum(1 for d in docs if len(d) < max(cfg.min_chars, 1))
-    docs = [d for d in docs if len(d) >= max(cfg.min_chars, 1)]
+    docs, counts = clean_documents(iter_documents(cfg.inputs, cfg.text_field, cfg.max_chars), cfg.min_chars,
+                                   cfg.max_doc_chars, cfg.near_dup_threshold, cfg.pii_scrub, cfg.seed)
+    log("prepare: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
     if not docs:
         raise UserError(f"no usable documents in inputs {cfg.inputs} (all empty or shorter than min_chars={cfg.min_chars})")
 
@@ -163,10 +168,12 @@ def prepare(cfg: PrepareConfig, log=print) -> dict:
 
     window = cfg.seq_len + 1
     extra = {"vocab_size": tok.get_vocab_size(), "eot_id": eot_id, "tokenizer": "../tokenizer.json"}
-    report: dict[str, Any] = {"out": out, "documents": len(docs_all), "dropped_short": dropped_short,
+    report: dict[str, Any] = {"out": out, "documents": counts["input"], "kept": len(docs),
                               "vocab_size": tok.get_vocab_size()}
+    doc_lengths: dict[str, list[int]] = {}
     for split, split_docs in (("train", train_docs), ("val", val_docs)):
         ids = [e.ids for e in tok.encode_batch(split_docs)] if split_docs else []
+        doc_lengths[split] = [len(x) for x in ids]
         rows = pack(ids, eot_id, window) if ids else np.zeros((0, window), np.int32)
         if split == "train" and len(rows) == 0:
             raise UserError(f"train split has fewer than seq_len+1={window} tokens; use more text or a smaller seq_len")
@@ -175,4 +182,8 @@ def prepare(cfg: PrepareConfig, log=print) -> dict:
                          "shards": len(m["shards"])}
         log(f"prepare: {split}: {len(split_docs)} documents -> {m['num_samples']} sequences of {window} tokens "
             f"in {len(m['shards'])} shard(s) at {storage.join(out, split)}")
+    data_report = write_report(out, counts, doc_lengths, report,
+                               review_sample(train_docs, cfg.review_samples, cfg.seed), cfg.seed)
+    report["filters"] = dict(counts)
+    report["ks_train_val_doc_tokens"] = data_report["ks_train_val_doc_tokens"]
     return report

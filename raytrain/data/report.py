@@ -1,0 +1,103 @@
+"""The data report of a prepared dataset (report.json, report.md, a review sample) and drift checks."""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import numpy as np
+
+from raytrain import storage
+from raytrain.errors import UserError
+
+REPORT = "report.json"
+MAX_LENGTH_SAMPLE = 20_000  # document lengths kept in report.json for later drift checks
+
+
+def ks_statistic(a, b) -> float:
+    """Two-sample Kolmogorov-Smirnov statistic: the largest gap between the two empirical CDFs."""
+    a, b = np.sort(np.asarray(a, float)), np.sort(np.asarray(b, float))
+    if len(a) == 0 or len(b) == 0:
+        return float("nan")
+    grid = np.concatenate([a, b])
+    cdf_a = np.searchsorted(a, grid, side="right") / len(a)
+    cdf_b = np.searchsorted(b, grid, side="right") / len(b)
+    return float(np.max(np.abs(cdf_a - cdf_b)))
+
+
+def length_stats(lengths) -> dict:
+    x = np.asarray(lengths, float)
+    if len(x) == 0:
+        return {"documents": 0}
+    return {"documents": int(len(x)), "tokens": int(x.sum()), "mean": float(x.mean()),
+            "p50": float(np.percentile(x, 50)), "p95": float(np.percentile(x, 95)), "max": int(x.max())}
+
+
+def _sample(lengths, seed: int) -> list[int]:
+    lengths = list(map(int, lengths))
+    if len(lengths) <= MAX_LENGTH_SAMPLE:
+        return lengths
+    idx = np.random.default_rng(seed).choice(len(lengths), MAX_LENGTH_SAMPLE, replace=False)
+    return [lengths[i] for i in sorted(idx)]
+
+
+def write_report(out: str, counts: dict, doc_lengths: dict[str, list[int]], splits: dict[str, dict],
+                 review: list[str], seed: int) -> dict:
+    report = {
+        "filters": dict(counts),
+        "splits": {name: {**splits.get(name, {}), "doc_tokens": length_stats(lens)}
+                   for name, lens in doc_lengths.items()},
+        "ks_train_val_doc_tokens": ks_statistic(doc_lengths.get("train", []), doc_lengths.get("val", [])),
+        "doc_token_lengths_sample": {name: _sample(lens, seed) for name, lens in doc_lengths.items()},
+    }
+    storage.write_text(storage.join(out, REPORT), json.dumps(report, indent=1))
+    storage.write_text(storage.join(out, "review_sample.jsonl"),
+                       "".join(json.dumps({"text": t}) + "\n" for t in review))
+    storage.write_text(storage.join(out, "report.md"), render_markdown(report))
+    return report
+
+
+def render_markdown(r: dict) -> str:
+    lines = ["# Data report", "", "## Filters", "", "| step | documents |", "| --- | --- |"]
+    lines += [f"| {k} | {v} |" for k, v in r["filters"].items()]
+    lines += ["", "## Splits (document lengths in tokens)", "",
+              "| split | documents | tokens | mean | p50 | p95 | max | sequences |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name, s in r["splits"].items():
+        d = s["doc_tokens"]
+        if d.get("documents"):
+            lines.append(f"| {name} | {d['documents']} | {d['tokens']} | {d['mean']:.1f} | {d['p50']:.0f} | "
+                         f"{d['p95']:.0f} | {d['max']} | {s.get('samples', '')} |")
+    ks = r["ks_train_val_doc_tokens"]
+    lines += ["", f"Train / val drift (Kolmogorov-Smirnov statistic on document lengths): **{ks:.3f}** "
+              "(0 = same distribution; above ~0.1 the splits look different).", "",
+              "A reproducible sample of documents for review is in `review_sample.jsonl`.", ""]
+    return "\n".join(lines)
+
+
+def compare(a: str, b: str, split: str = "train") -> dict:
+    """Drift between two prepared datasets: KS statistic on their document-length samples."""
+    out = {}
+    reps = []
+    for uri in (a, b):
+        uri = storage.absolute(uri)
+        rurl = storage.join(uri, REPORT)
+        if not storage.exists(rurl):
+            raise UserError(f"{uri} has no {REPORT}; prepare it with this version of raytrain first")
+        reps.append(json.loads(storage.read_text(rurl)))
+    la, lb = (r["doc_token_lengths_sample"].get(split, []) for r in reps)
+    out["ks_doc_tokens"] = ks_statistic(la, lb)
+    out["a"], out["b"] = length_stats(la), length_stats(lb)
+    return out
+
+
+def review_sample(docs: list[str], n: int, seed: int) -> list[str]:
+    if n <= 0 or not docs:
+        return []
+    idx = np.random.default_rng(seed).choice(len(docs), min(n, len(docs)), replace=False)
+    return [docs[i] for i in sorted(idx)]
+
+
+def drift_verdict(ks: Optional[float]) -> str:
+    if ks is None or ks != ks:
+        return "unknown"
+    return "similar" if ks < 0.1 else "different"
