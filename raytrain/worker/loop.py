@@ -56,8 +56,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
     import ray.train.torch
 
     # Per-report INFO lines from Ray Train / Ray Data drown the progress lines; warnings still show.
-    logging.getLogger("ray.train").setLevel(logging.WARNING)
-    logging.getLogger("ray.data").setLevel(logging.WARNING)
+    for name in ("ray.train", "ray.train.v2", "ray.train.v2._internal.execution.context", "ray.data"):
+        logging.getLogger(name).setLevel(logging.WARNING)
     cfg = Config.model_validate(loop_config["config"])
     train_split = Split.from_dict(loop_config["train_split"])
     val_split = Split.from_dict(loop_config["val_split"]) if loop_config.get("val_split") else None
