@@ -81,6 +81,7 @@ class DataConfig(_Section):
     shuffle_window: int = Field(4096, ge=1, description="rows shuffled together inside an epoch")
     prefetch_batches: int = Field(2, ge=0, description="Ray Data blocks read ahead of training")
     eval_samples: int = Field(512, ge=1, description="validation sequences per evaluation (the first ones of val)")
+    verify: Literal["size", "checksum"] = Field("size", description="check of every shard against the manifest before training: sizes (cheap) or sha256 (reads all data once)")
     stall_timeout_s: float = Field(600.0, gt=0.0, description="fail with a diagnosis when no data arrives for this long (never hang)")
 
 

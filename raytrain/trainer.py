@@ -23,8 +23,9 @@ _FORWARDED_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_
 def check_inputs(cfg: Config) -> tuple[Split, Optional[Split]]:
     if not cfg.data.train:
         raise UserError("data.train is not set: pass data.train=<prepared dataset>/train (see `raytrain prepare`)")
-    train = load_split(cfg.data.train, "data.train")
-    val = load_split(cfg.data.val, "data.val") if cfg.data.val else None
+    deep = cfg.data.verify == "checksum"
+    train = load_split(cfg.data.train, "data.train", checksums=deep)
+    val = load_split(cfg.data.val, "data.val", checksums=deep) if cfg.data.val else None
     for name, split in (("data.train", train), ("data.val", val)):
         if split is None:
             continue

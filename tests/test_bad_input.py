@@ -100,3 +100,15 @@ def test_negative_seed_is_a_config_error():
 
     with pytest.raises(UserError, match="run.seed"):
         load_config("tiny", ["run.seed=-1"])
+
+
+def test_corrupt_shard_caught_by_checksum(tmp_path, tiny_data):
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_data, broken)
+    shard = broken / "train" / "shard-00000.parquet"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, different bytes: only the checksum can tell
+    shard.write_bytes(bytes(data))
+    with pytest.raises(UserError, match="shard-00000.parquet is corrupt"):
+        train(tiny_cfg(broken, tmp_path / "runs", "x", "data.verify=checksum"))
+    assert _no_checkpoints(tmp_path)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 
@@ -37,7 +38,7 @@ class Split:
         return Split(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in d.items()})
 
 
-def load_split(uri: str, what: str = "data") -> Split:
+def load_split(uri: str, what: str = "data", checksums: bool = False) -> Split:
     """Read and check a split. Missing / incomplete / empty splits are a one-line UserError."""
     uri = storage.absolute(uri)
     murl = storage.join(uri, MANIFEST)
@@ -49,7 +50,8 @@ def load_split(uri: str, what: str = "data") -> Split:
         m = json.loads(storage.read_text(murl))
         shards = m["shards"]
         seq_len, vocab, eot = int(m["seq_len"]), int(m["vocab_size"]), int(m["eot_id"])
-        shards = [{"path": str(s["path"]), "rows": int(s["rows"]), "bytes": int(s["bytes"])} for s in shards]
+        shards = [{"path": str(s["path"]), "rows": int(s["rows"]), "bytes": int(s["bytes"]),
+                   "sha256": s.get("sha256")} for s in shards]
     except (ValueError, KeyError, TypeError) as e:
         raise UserError(f"{what}: {murl} is not a valid manifest (bad or missing {e})") from None
     if not shards or sum(s["rows"] for s in shards) == 0:
@@ -62,6 +64,11 @@ def load_split(uri: str, what: str = "data") -> Split:
             raise UserError(f"{what}: shard {storage.join(uri, s['path'])} listed in the manifest is missing")
         if info.size != s["bytes"]:
             raise UserError(f"{what}: shard {storage.join(uri, s['path'])} has {info.size} bytes, manifest says {s['bytes']}")
+        if checksums and s["sha256"]:
+            digest = hashlib.sha256(storage.read_bytes(storage.join(uri, s["path"]))).hexdigest()
+            if digest != s["sha256"]:
+                raise UserError(f"{what}: shard {storage.join(uri, s['path'])} is corrupt (sha256 differs from the "
+                                f"manifest); prepare the dataset again or restore the shard")
     tok = m.get("tokenizer", "../tokenizer.json")
     tok_uri = storage.join(uri.rsplit("/", 1)[0], tok.removeprefix("../")) if tok.startswith("../") else storage.join(uri, tok)
     return Split(
