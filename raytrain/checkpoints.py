@@ -55,6 +55,11 @@ def uncommit(ckpt_uri: str) -> None:
         pass
 
 
+def _step_of(uri: str) -> int:
+    m = _NAME.match(uri.rstrip("/").rsplit("/", 1)[-1])
+    return int(m.group(1)) if m else -1
+
+
 @dataclass
 class CheckpointInfo:
     uri: str
@@ -65,8 +70,7 @@ class CheckpointInfo:
 
 def verify(ckpt_uri: str, deep: bool = False) -> CheckpointInfo:
     """Is this checkpoint complete? Sizes always; sha256 of every file when deep=True."""
-    m = _NAME.match(ckpt_uri.rstrip("/").rsplit("/", 1)[-1])
-    step = int(m.group(1)) if m else -1
+    step = _step_of(ckpt_uri)
     murl = storage.join(ckpt_uri, MANIFEST)
     if not storage.exists(murl):
         return CheckpointInfo(ckpt_uri, step, False, "no manifest (never committed)")
@@ -128,11 +132,6 @@ def latest_complete(run_uri: str, log=None) -> Optional[CheckpointInfo]:
         if log:
             log(f"warning: skipping incomplete checkpoint {uri}: {info.reason}")
     return None
-
-
-def _step_of(uri: str) -> int:
-    m = _NAME.match(uri.rstrip("/").rsplit("/", 1)[-1])
-    return int(m.group(1)) if m else -1
 
 
 def prune(run_uri: str, keep_last: int, protect: tuple[str, ...] = (), keep_every: int = 0) -> list[str]:

@@ -16,6 +16,7 @@ from typing import Any, Literal, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from raytrain import storage
 from raytrain.errors import UserError
 
 RECIPES_DIR = Path(__file__).parent / "recipes"
@@ -213,7 +214,7 @@ class Config(_Section):
 
     @property
     def run_uri(self) -> str:
-        return join_uri(self.checkpoint.storage, self.run.name)
+        return storage.join(self.checkpoint.storage, self.run.name)
 
     def to_dict(self) -> dict:
         return self.model_dump(mode="json")
@@ -238,10 +239,6 @@ def reference_markdown() -> str:
             lines.append(f"| `{section}.{name}` | `{ann}` | `{json.dumps(default)}` | {f.description or ''} |")
         lines.append("")
     return "\n".join(lines)
-
-
-def join_uri(base: str, *parts: str) -> str:
-    return "/".join([base.rstrip("/")] + [p.strip("/") for p in parts])
 
 
 def resolve_recipe(name_or_path: str) -> Path:

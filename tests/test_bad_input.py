@@ -13,6 +13,13 @@ from raytrain.trainer import train
 from tests.conftest import tiny_cfg
 
 
+def _copy(data, tmp_path):
+    """A private copy of the prepared dataset to damage."""
+    broken = tmp_path / "broken"
+    shutil.copytree(data, broken)
+    return broken
+
+
 def _no_checkpoints(root):
     return not list(root.rglob("checkpoint_*"))
 
@@ -24,16 +31,14 @@ def test_missing_data_path(tmp_path):
 
 
 def test_unfinished_dataset_without_manifest(tmp_path, tiny_data):
-    broken = tmp_path / "broken"
-    shutil.copytree(tiny_data, broken)
+    broken = _copy(tiny_data, tmp_path)
     (broken / "train" / "manifest.json").unlink()
     with pytest.raises(UserError, match="has no manifest.json"):
         train(tiny_cfg(broken, tmp_path / "runs", "x"))
 
 
 def test_missing_shard(tmp_path, tiny_data):
-    broken = tmp_path / "broken"
-    shutil.copytree(tiny_data, broken)
+    broken = _copy(tiny_data, tmp_path)
     (broken / "train" / "shard-00000.parquet").unlink()
     with pytest.raises(UserError, match="shard-00000.parquet listed in the manifest is missing"):
         train(tiny_cfg(broken, tmp_path / "runs", "x"))
@@ -103,8 +108,7 @@ def test_negative_seed_is_a_config_error():
 
 
 def test_corrupt_shard_caught_by_checksum(tmp_path, tiny_data):
-    broken = tmp_path / "broken"
-    shutil.copytree(tiny_data, broken)
+    broken = _copy(tiny_data, tmp_path)
     shard = broken / "train" / "shard-00000.parquet"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF  # same size, different bytes: only the checksum can tell

@@ -10,7 +10,6 @@ from __future__ import annotations
 import ast
 import glob
 import json
-import sys
 import sysconfig
 from pathlib import Path
 from typing import Iterator
@@ -95,8 +94,3 @@ def iter_documents(inputs: list[str], text_field: str = "text", max_chars: int =
                     yield path.read_text(encoding="utf-8", errors="replace")
                 except OSError as e:
                     raise UserError(f"cannot read {path}: {e.strerror}") from None
-
-
-if __name__ == "__main__":  # quick look at the built-in corpus
-    docs = list(iter_documents(["python-docs"]))
-    print(len(docs), sum(map(len, docs)), file=sys.stderr)
