@@ -1,0 +1,178 @@
+"""Checkpoint -> Hugging Face model: consolidate any ZeRO stage's weights and write a model directory.
+
+The directory (config.json, model.safetensors, tokenizer files, generation_config.json and our
+raytrain_export.json) loads offline with stock `AutoModelForCausalLM` / `AutoTokenizer`. DeepSpeed's
+own zero_to_fp32 does the consolidation (ZeRO-1/2 fp32 master weights, ZeRO-3 parameter shards).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import yaml
+
+from raytrain import storage
+from raytrain.config import Config
+from raytrain.errors import UserError
+
+EXPORT_META = "raytrain_export.json"
+ENGINE_TAG = "engine"  # as in raytrain.worker.checkpoint (not imported: that module pulls in Ray Train)
+
+
+@dataclass
+class LoadedCheckpoint:
+    model: torch.nn.Module
+    cfg: Config
+    step: int
+    uri: str
+    eot_id: int
+    tokenizer_uri: Optional[str]
+
+
+def checkpoint_config(ckpt_uri: str) -> Config:
+    """The resolved config saved inside a checkpoint."""
+    from raytrain import checkpoints
+
+    info = checkpoints.verify(ckpt_uri)
+    if not info.complete:
+        raise UserError(f"checkpoint {ckpt_uri} is not complete ({info.reason}); pick one from `raytrain ckpt list`")
+    return Config.model_validate(yaml.safe_load(storage.read_text(storage.join(ckpt_uri, "config.yaml"))))
+
+
+def consolidated_state_dict(ckpt_uri: str, zero_stage: int) -> dict[str, torch.Tensor]:
+    """Full fp32 weights from a checkpoint's engine state, whatever the ZeRO stage and world size."""
+    with tempfile.TemporaryDirectory(prefix="raytrain-export-") as d:
+        storage.download_dir(storage.join(ckpt_uri, ENGINE_TAG), os.path.join(d, ENGINE_TAG))
+        if zero_stage == 0:  # plain data parallel: rank 0's module state is the whole model
+            states = torch.load(os.path.join(d, ENGINE_TAG, "mp_rank_00_model_states.pt"), map_location="cpu",
+                                weights_only=False)
+            return {k: v.float() for k, v in states["module"].items()}
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        with contextlib.redirect_stdout(io.StringIO()):  # it prints every tensor it merges
+            return get_fp32_state_dict_from_zero_checkpoint(d, tag=ENGINE_TAG)
+
+
+def load_checkpoint(ckpt_uri: str, tokenizer: Optional[str] = None) -> LoadedCheckpoint:
+    """The trained model of a checkpoint as a plain `transformers` model (fp32, eval mode)."""
+    from transformers import AutoModelForCausalLM
+
+    from raytrain.data.manifest import load_split
+    from raytrain.model import hf_config
+
+    ckpt_uri = storage.absolute(ckpt_uri)
+    cfg = checkpoint_config(ckpt_uri)
+    step = json.loads(storage.read_text(storage.join(ckpt_uri, "raytrain_state.json")))["step"]
+    sd = consolidated_state_dict(ckpt_uri, cfg.deepspeed.zero_stage)
+    emb = [v for k, v in sd.items() if k.endswith(("wte.weight", "embed_tokens.weight"))]
+    if not emb:
+        raise UserError(f"{ckpt_uri}: no token embedding among the saved weights; is it a raytrain checkpoint?")
+    eot_id, tok_uri = None, tokenizer
+    if cfg.data.train:
+        try:
+            split = load_split(cfg.data.train, "the checkpoint's data.train")
+            eot_id, tok_uri = split.eot_id, tokenizer or split.tokenizer_uri
+        except UserError:
+            if tokenizer is None:
+                raise UserError(f"the tokenizer of {ckpt_uri} is beside its training data ({cfg.data.train}), which "
+                                f"is not reachable; pass --tokenizer <tokenizer.json>") from None
+    if eot_id is None and tok_uri:
+        eot_id = _eot_of(tok_uri)
+    model_cfg = cfg.model.model_copy(update={"init_from": None})
+    model = AutoModelForCausalLM.from_config(hf_config(model_cfg, emb[0].shape[0], eot_id),
+                                             attn_implementation=cfg.model.attn_implementation)
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    tied = {k for k in missing if k.endswith("lm_head.weight") and model.config.tie_word_embeddings}
+    if set(missing) - tied or unexpected:
+        raise UserError(f"{ckpt_uri}: saved weights do not fit the configured model (missing {sorted(set(missing) - tied)[:3]}, "
+                        f"unexpected {sorted(unexpected)[:3]})")
+    model.tie_weights()
+    model.eval()
+    return LoadedCheckpoint(model, cfg, step, ckpt_uri, eot_id, tok_uri)
+
+
+def _eot_of(tokenizer_uri: str) -> Optional[int]:
+    from tokenizers import Tokenizer
+
+    from raytrain.data.prepare import EOT
+
+    return Tokenizer.from_str(storage.read_text(tokenizer_uri)).token_to_id(EOT)
+
+
+def hf_tokenizer(tokenizer_uri: str, max_length: int):
+    """Our tokenizers-library tokenizer.json as a `transformers` fast tokenizer (EOT as bos/eos/pad)."""
+    from transformers import PreTrainedTokenizerFast
+
+    from raytrain.data.prepare import EOT
+
+    with tempfile.TemporaryDirectory(prefix="raytrain-tok-") as d:
+        path = os.path.join(d, "tokenizer.json")
+        with open(path, "w") as f:
+            f.write(storage.read_text(tokenizer_uri))
+        return PreTrainedTokenizerFast(tokenizer_file=path, bos_token=EOT, eos_token=EOT, pad_token=EOT,
+                                       model_max_length=max_length)
+
+
+def reported_val(run_uri: str, step: int) -> Optional[dict]:
+    """The validation loss / perplexity training logged at `step` (metrics.jsonl), if it evaluated then."""
+    uri = storage.join(run_uri, "metrics.jsonl")
+    if not storage.exists(uri):
+        return None
+    found = None
+    for line in storage.read_text(uri).splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if rec.get("step") == step and "val_loss" in rec:
+            found = {"val_loss": rec["val_loss"], "val_ppl": rec.get("val_ppl")}
+    return found
+
+
+def export(ckpt_uri: str, out_uri: str, tokenizer: Optional[str] = None, force: bool = False,
+           log: Callable[[str], None] = print) -> dict:
+    """Write a Hugging Face model directory for a checkpoint; checks the parameter count on reload."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from raytrain.model import param_count
+
+    out_uri = storage.absolute(out_uri)
+    if storage.exists(storage.join(out_uri, "config.json")) and not force:
+        raise UserError(f"{out_uri} already holds a model; pass --force to overwrite it")
+    ck = load_checkpoint(ckpt_uri, tokenizer)
+    if ck.tokenizer_uri is None:
+        raise UserError(f"no tokenizer known for {ck.uri}; pass --tokenizer <tokenizer.json>")
+    n_params = param_count(ck.model)
+    run_uri = ck.uri.rsplit("/", 1)[0]
+    summary_uri = storage.join(run_uri, "summary.json")
+    trained = json.loads(storage.read_text(summary_uri)).get("params") if storage.exists(summary_uri) else None
+    if trained is not None and trained != n_params:
+        raise UserError(f"parameter count {n_params:,} differs from the {trained:,} the run trained ({summary_uri})")
+    with tempfile.TemporaryDirectory(prefix="raytrain-export-") as d:
+        ck.model.config.use_cache = True  # training turned the KV cache off; generation wants it
+        ck.model.save_pretrained(d)
+        hf_tokenizer(ck.tokenizer_uri, ck.cfg.model.seq_len).save_pretrained(d)
+        GenerationConfig(bos_token_id=ck.eot_id, eos_token_id=ck.eot_id, pad_token_id=ck.eot_id).save_pretrained(d)
+        meta = {"source_checkpoint": ck.uri, "step": ck.step, "params": n_params, "family": ck.cfg.model.family,
+                "zero_stage": ck.cfg.deepspeed.zero_stage, "seq_len": ck.cfg.model.seq_len,
+                "reported": reported_val(run_uri, ck.step), "val_data": ck.cfg.data.val,
+                "exported": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "config": ck.cfg.to_dict()}
+        with open(os.path.join(d, EXPORT_META), "w") as f:
+            json.dump(meta, f, indent=1)
+        # The release gate in miniature: what we wrote must load with stock transformers and be the same size.
+        reloaded = param_count(AutoModelForCausalLM.from_pretrained(d))
+        if reloaded != n_params:
+            raise UserError(f"exported model has {reloaded:,} parameters after reload, expected {n_params:,}")
+        files = sorted(os.listdir(d))
+        storage.upload_dir(d, out_uri)
+    log(f"[raytrain] exported {ck.uri} (step {ck.step}, ZeRO-{ck.cfg.deepspeed.zero_stage}) -> {out_uri}: "
+        f"{n_params:,} parameters (checked on reload), files: {', '.join(files)}")
+    return {"out": out_uri, "step": ck.step, "params": n_params, "files": files}
