@@ -77,13 +77,14 @@ class DataConfig(_Section):
 
     train: Optional[str] = Field(None, description="URI of the prepared train split (local path or s3://...; dir with manifest.json)")
     val: Optional[str] = Field(None, description="URI of the prepared validation split; null: no validation")
-    format: Literal["parquet"] = Field("parquet", description="shard format")
+    format: Literal["parquet", "webdataset"] = Field("parquet", description="shard format to train from (the dataset must have been prepared with it); both give the same sample order")
     shuffle: bool = Field(True, description="shuffle shard order and rows each epoch (deterministic from run.seed)")
     shuffle_window: int = Field(4096, ge=1, description="rows shuffled together inside an epoch")
     prefetch_batches: int = Field(2, ge=0, description="Ray Data blocks read ahead of training")
     eval_samples: int = Field(512, ge=1, description="validation sequences per evaluation (the first ones of val)")
     verify: Literal["size", "checksum"] = Field("size", description="check of every shard against the manifest before training: sizes (cheap) or sha256 (reads all data once)")
     stall_timeout_s: float = Field(600.0, gt=0.0, description="fail with a diagnosis when no data arrives for this long (never hang)")
+    on_bad_shard: Literal["error", "skip"] = Field("error", description="a shard that cannot be read during training (corrupt Parquet, truncated tar): stop with an error naming it, or skip it and count it (metrics: data_skipped_shards)")
 
 
 class BatchConfig(_Section):

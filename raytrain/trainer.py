@@ -24,8 +24,9 @@ def check_inputs(cfg: Config) -> tuple[Split, Optional[Split]]:
     if not cfg.data.train:
         raise UserError("data.train is not set: pass data.train=<prepared dataset>/train (see `raytrain prepare`)")
     deep = cfg.data.verify == "checksum"
-    train = load_split(cfg.data.train, "data.train", checksums=deep)
-    val = load_split(cfg.data.val, "data.val", checksums=deep) if cfg.data.val else None
+    fmt = cfg.data.format
+    train = load_split(cfg.data.train, "data.train", checksums=deep, fmt=fmt)
+    val = load_split(cfg.data.val, "data.val", checksums=deep, fmt=fmt) if cfg.data.val else None
     for name, split in (("data.train", train), ("data.val", val)):
         if split is None:
             continue

@@ -20,10 +20,11 @@ def test_prepare_writes_shards_manifest_and_tokenizer(tiny_data):
     train, val = load_split(str(tiny_data / "train")), load_split(str(tiny_data / "val"))
     assert train.seq_len == 32 and train.num_samples > 50 and val.num_samples >= 1
     m = json.loads((tiny_data / "train" / "manifest.json").read_text())
-    assert sum(s["rows"] for s in m["shards"]) == m["num_samples"] == train.num_samples
+    assert m["formats"] == ["parquet"] and m["prepare"]["vocab_size"] == 300 and m["tokenizer"] == "../tokenizer.json"
+    assert sum(s["rows"] for s in m["shards"]["parquet"]) == m["num_samples"] == train.num_samples
     rows = np.concatenate([
         np.stack(pq.read_table(tiny_data / "train" / s["path"])["tokens"].to_numpy(zero_copy_only=False))
-        for s in m["shards"]
+        for s in m["shards"]["parquet"]
     ])
     assert rows.shape == (train.num_samples, 33)
     # Real text round-trips through the tokenizer.
@@ -41,9 +42,9 @@ def test_split_is_by_document(tmp_path):
 
 
 def test_builtin_corpus_is_real_text():
-    from raytrain.data.corpus import iter_documents
+    from raytrain.data.corpus import python_docs
 
-    docs = list(iter_documents(["python-docs"], max_chars=200_000))
+    docs = list(python_docs(max_chars=200_000))
     assert len(docs) > 50 and sum(map(len, docs)) > 100_000
     assert " the " in docs[0]
 
@@ -81,5 +82,9 @@ def test_prepare_config_file_errors(tmp_path):
     bad.write_text("- a\n- b\n")
     with pytest.raises(UserError, match="must be a mapping"):
         load_prepare_config(str(bad), [])
-    with pytest.raises(UserError, match="prepare reads local files"):
-        prepare(PrepareConfig(inputs=["s3://bucket/corpus/*.txt"], out=str(tmp_path / "o")), log=lambda *_: None)
+
+
+def test_report_has_a_length_histogram(tiny_data):
+    png = (tiny_data / "doc_lengths.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 5000
+    assert "](doc_lengths.png)" in (tiny_data / "report.md").read_text()

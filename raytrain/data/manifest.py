@@ -12,6 +12,14 @@ from raytrain import storage
 from raytrain.errors import UserError
 
 MANIFEST = "manifest.json"
+FORMATS = ("parquet", "webdataset")
+SUFFIX = {"parquet": ".parquet", "webdataset": ".tar"}
+
+
+def shards_by_format(m: dict) -> dict[str, list]:
+    """{format: [shard records]}; manifests before WebDataset support held one list of Parquet shards."""
+    shards = m["shards"]
+    return {m.get("format", "parquet"): shards} if isinstance(shards, list) else dict(shards)
 
 
 @dataclass(frozen=True)
@@ -25,6 +33,7 @@ class Split:
     vocab_size: int
     eot_id: int
     tokenizer_uri: str
+    format: str = "parquet"
 
     @property
     def num_samples(self) -> int:
@@ -38,8 +47,9 @@ class Split:
         return Split(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in d.items()})
 
 
-def load_split(uri: str, what: str = "data", checksums: bool = False) -> Split:
-    """Read and check a split. Missing / incomplete / empty splits are a one-line UserError."""
+def load_split(uri: str, what: str = "data", checksums: bool = False, fmt: str = "parquet") -> Split:
+    """Read and check a split's `fmt` shards. Missing / incomplete / empty splits, missing shards, size (or,
+    with checksums, sha256) mismatches are a one-line UserError naming the shard."""
     uri = storage.absolute(uri)
     murl = storage.join(uri, MANIFEST)
     if not storage.exists(uri):
@@ -48,7 +58,11 @@ def load_split(uri: str, what: str = "data", checksums: bool = False) -> Split:
         raise UserError(f"{what}: {uri} has no {MANIFEST}; it is not a prepared split or its preparation did not finish")
     try:
         m = json.loads(storage.read_text(murl))
-        shards = m["shards"]
+        by_format = shards_by_format(m)
+        if fmt not in by_format:
+            raise UserError(f"{what}: {uri} was not prepared as {fmt} (it has {', '.join(by_format)}); set "
+                            f"data.format to one of those or prepare with formats=[{fmt}]")
+        shards = by_format[fmt]
         seq_len, vocab, eot = int(m["seq_len"]), int(m["vocab_size"]), int(m["eot_id"])
         shards = [{"path": str(s["path"]), "rows": int(s["rows"]), "bytes": int(s["bytes"]),
                    "sha256": s.get("sha256")} for s in shards]
@@ -79,4 +93,5 @@ def load_split(uri: str, what: str = "data", checksums: bool = False) -> Split:
         vocab_size=vocab,
         eot_id=eot,
         tokenizer_uri=tok_uri,
+        format=fmt,
     )

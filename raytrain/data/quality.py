@@ -49,8 +49,6 @@ def clean_documents(docs: Iterable[str], min_chars: int, max_chars: int, near_du
         lsh = MinHashLSH(threshold=near_dup_threshold, num_perm=64)
     for raw in docs:
         counts["input"] += 1
-        if "\ufffd" in raw:
-            counts["invalid_utf8_replaced"] += 1
         text = normalise(raw)
         if not text:
             counts["dropped_empty"] += 1

@@ -11,6 +11,7 @@ from raytrain import storage
 from raytrain.errors import UserError
 
 REPORT = "report.json"
+HISTOGRAM = "doc_lengths.png"
 MAX_LENGTH_SAMPLE = 20_000  # document lengths kept in report.json for later drift checks
 
 
@@ -53,8 +54,38 @@ def write_report(out: str, counts: dict, doc_lengths: dict[str, list[int]], spli
     storage.write_text(storage.join(out, REPORT), json.dumps(report, indent=1))
     storage.write_text(storage.join(out, "review_sample.jsonl"),
                        "".join(json.dumps({"text": t}) + "\n" for t in review))
+    storage.write_bytes(storage.join(out, HISTOGRAM), histogram_png(doc_lengths))
     storage.write_text(storage.join(out, "report.md"), render_markdown(report))
     return report
+
+
+def histogram_png(doc_lengths: dict[str, list[int]]) -> bytes:
+    """Document-length histogram per split, as fractions so splits of any size compare (log-spaced bins)."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, never a display
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4), dpi=100)
+    ax = fig.add_subplot()
+    everything = [n for lens in doc_lengths.values() for n in lens if n > 0]
+    if everything:
+        bins = np.geomspace(max(1, min(everything)), max(everything) + 1, 40)
+        for name, lens in doc_lengths.items():
+            if lens:
+                ax.hist(lens, bins=bins, alpha=0.6, weights=np.full(len(lens), 1 / len(lens)),
+                        label=f"{name} ({len(lens)} documents)")
+        ax.set_xscale("log")
+        ax.legend()
+    ax.set_xlabel("document length (tokens)")
+    ax.set_ylabel("fraction of documents")
+    ax.set_title("Document lengths")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()
 
 
 def render_markdown(r: dict) -> str:
@@ -70,6 +101,7 @@ def render_markdown(r: dict) -> str:
     ks = r["ks_train_val_doc_tokens"]
     lines += ["", f"Train / val drift (Kolmogorov-Smirnov statistic on document lengths): **{ks:.3f}** "
               "(0 = same distribution; above ~0.1 the splits look different).", "",
+              f"![document lengths per split]({HISTOGRAM})", "",
               "A reproducible sample of documents for review is in `review_sample.jsonl`.", ""]
     return "\n".join(lines)
 

@@ -33,19 +33,33 @@ def _tokens_to_numpy(col, window: int) -> np.ndarray:
     return np.stack(list(arr)).astype(np.int64, copy=False) if arr.dtype == object else arr.astype(np.int64, copy=False)
 
 
-def read_pyarrow(uris: list[str], window: int, **_) -> Iterator[np.ndarray]:
+# Readers: (shard URIs in read order, window) -> iterator of (index into the URIs, rows). The index lets
+# SampleStream check every shard's row count against the manifest and name a bad shard exactly.
+
+def read_pyarrow(uris: list[str], window: int, **_) -> Iterator[tuple[int, np.ndarray]]:
     """Plain pyarrow reader: the baseline, and the reader for driver-side tools."""
     import pyarrow.parquet as pq
 
     from raytrain import storage
 
-    for uri in uris:
+    for i, uri in enumerate(uris):
         fs, path = storage.resolve(uri)
-        yield _tokens_to_numpy(pq.read_table(path, filesystem=fs, columns=["tokens"])["tokens"], window)
+        yield i, _tokens_to_numpy(pq.read_table(path, filesystem=fs, columns=["tokens"])["tokens"], window)
 
 
-def read_ray(uris: list[str], window: int, prefetch: int = 2, read_cpus: float = 0.5) -> Iterator[np.ndarray]:
-    """Stream shards through Ray Data, in the given file order, with background prefetch."""
+def read_tar(uris: list[str], window: int, **_) -> Iterator[tuple[int, np.ndarray]]:
+    """Plain WebDataset reader: each tar is streamed member by member, never downloaded whole."""
+    from raytrain import storage
+    from raytrain.data.webdataset_io import iter_tar_rows
+
+    for i, uri in enumerate(uris):
+        fs, path = storage.resolve(uri)
+        with fs.open_input_stream(path) as f:
+            for rows in iter_tar_rows(f, window):
+                yield i, rows
+
+
+def _ray_ordered(uris: list[str]):
     import ray.data
 
     from raytrain import storage
@@ -55,13 +69,59 @@ def read_ray(uris: list[str], window: int, prefetch: int = 2, read_cpus: float =
     ctx.enable_progress_bars = False
     fs, _ = storage.resolve(uris[0])
     paths = [storage.resolve(u)[1] for u in uris]
-    ds = ray.data.read_parquet(paths, filesystem=fs, num_cpus=read_cpus,
-                               override_num_blocks=len(paths)).select_columns(["tokens"])
+    return fs, paths, {p: i for i, p in enumerate(paths)}
+
+
+def _ray_batches(ds, index: dict, column: str, window: int, prefetch: int) -> Iterator[tuple[int, np.ndarray]]:
     for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=prefetch):
-        yield _tokens_to_numpy(batch["tokens"], window)
+        paths = batch["path"].to_pylist()
+        rows = _tokens_to_numpy(batch[column], window)
+        # A block normally holds one file; split on path changes in case Ray Data merged blocks.
+        cut = [0] + [j for j in range(1, len(paths)) if paths[j] != paths[j - 1]] + [len(paths)]
+        for a, b in zip(cut, cut[1:]):
+            yield index[paths[a]], rows[a:b]
 
 
-READERS = {"ray": read_ray, "pyarrow": read_pyarrow}
+def read_ray(uris: list[str], window: int, prefetch: int = 2, read_cpus: float = 0.5) -> Iterator[tuple[int, np.ndarray]]:
+    """Stream Parquet shards through Ray Data, in the given file order, with background prefetch."""
+    import ray.data
+
+    fs, paths, index = _ray_ordered(uris)
+    ds = ray.data.read_parquet(paths, filesystem=fs, num_cpus=read_cpus, include_paths=True,
+                               override_num_blocks=len(paths)).select_columns(["tokens", "path"])
+    yield from _ray_batches(ds, index, "tokens", window, prefetch)
+
+
+def read_ray_webdataset(uris: list[str], window: int, prefetch: int = 2,
+                        read_cpus: float = 0.5) -> Iterator[tuple[int, np.ndarray]]:
+    """Stream WebDataset tar shards through Ray Data (`read_webdataset`, which decodes the .npy members)."""
+    import ray.data
+
+    from raytrain.data.webdataset_io import MEMBER
+
+    fs, paths, index = _ray_ordered(uris)
+    ds = ray.data.read_webdataset(paths, filesystem=fs, num_cpus=read_cpus, include_paths=True,
+                                  override_num_blocks=len(paths)).select_columns([MEMBER, "path"])
+    yield from _ray_batches(ds, index, MEMBER, window, prefetch)
+
+
+READERS = {("parquet", "ray"): read_ray, ("parquet", "pyarrow"): read_pyarrow,
+           ("webdataset", "ray"): read_ray_webdataset, ("webdataset", "pyarrow"): read_tar}
+PLAIN = {"parquet": read_pyarrow, "webdataset": read_tar}
+
+
+class _BadShard(Exception):
+    def __init__(self, index: int, reason: str):
+        super().__init__(reason)
+        self.index, self.reason = index, reason
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    for line in text.splitlines():  # Ray prefixes worker errors with its own lines; keep the cause
+        if line.strip() and not line.startswith(("ray::", "Traceback", "  ")):
+            text = line.strip()
+    return (text or type(e).__name__)[:200]
 
 
 class SampleStream:
@@ -69,12 +129,15 @@ class SampleStream:
 
     def __init__(self, split: Split, seed: int, shuffle: bool = True, window: int = 4096,
                  position: int = 0, reader: str = "ray", prefetch: int = 2, read_cpus: float = 0.5,
-                 background: bool = False, stall_timeout_s: float = 600.0):
+                 background: bool = False, stall_timeout_s: float = 600.0, on_bad_shard: str = "error"):
         self.split, self.seed, self.shuffle, self.window = split, seed, shuffle, window
         self.position = position
         self.background = background
         self.stall_timeout_s = stall_timeout_s
-        self._read = READERS[reader]
+        self.on_bad_shard = on_bad_shard
+        self.skipped: list[str] = []  # shards skipped as unreadable (on_bad_shard=skip), each counted once
+        self._read = READERS[(split.format, reader)]
+        self._plain = PLAIN[split.format]
         self._read_kwargs = {"prefetch": prefetch, "read_cpus": read_cpus}
         self._width = split.seq_len + 1
         self._gen: Optional[Iterator[np.ndarray]] = None
@@ -104,26 +167,98 @@ class SampleStream:
         wstart = w * self.window
         first = int(np.searchsorted(cum, wstart, side="right") - 1)
         skip = wstart - int(cum[first])
-        chunks = self._read([self.split.shard_uris[i] for i in order[first:]], self._width, **self._read_kwargs)
+        uris = [self.split.shard_uris[i] for i in order[first:]]
+        lost = [0]  # rows of skipped shards: the epoch is shorter by them
+        chunks = self._checked(uris, [int(r) for r in rows[first:]], lost)
         pending: list[np.ndarray] = []
         have = 0
         total = int(cum[-1])
-        for chunk in chunks:
-            if skip:
-                cut = min(skip, len(chunk))
-                chunk, skip = chunk[cut:], skip - cut
-            pending.append(chunk)
-            have += len(chunk)
-            while have >= min(self.window, total - wstart) and wstart < total:
-                size = min(self.window, total - wstart)
+
+        def windows(final: bool) -> Iterator[np.ndarray]:
+            nonlocal pending, have, w, wstart
+            while wstart < total - lost[0] and (have >= min(self.window, total - lost[0] - wstart) or final):
+                if not have:
+                    break
+                size = min(self.window, total - lost[0] - wstart, have)
                 block = np.concatenate(pending)
                 win, rest = block[:size], block[size:]
                 pending, have = [rest], len(rest)
                 win = win[self._window_perm(epoch, w, size)]
                 yield win[offset - wstart:] if offset > wstart else win
                 w, wstart = w + 1, wstart + size
-        if wstart < total:
+
+        for chunk in chunks:
+            if skip:
+                cut = min(skip, len(chunk))
+                chunk, skip = chunk[cut:], skip - cut
+            pending.append(chunk)
+            have += len(chunk)
+            yield from windows(final=False)
+        yield from windows(final=True)  # a skipped shard near the end leaves a short last window
+        if wstart < total - lost[0]:
             raise RuntimeError(f"dataset {self.split.uri} ended early: read {wstart} of {total} rows its manifest lists")
+
+    def _checked(self, uris: list[str], expected: list[int], lost: list[int]) -> Iterator[np.ndarray]:
+        """The rows of `uris`, shard by shard, each handed on only once it is complete with the manifest's
+        row count. A shard that fails to read or comes up short is named in a UserError, or skipped and
+        counted (on_bad_shard=skip) - never half-used, so a skip drops exactly that shard's rows."""
+        todo = []
+        for j, uri in enumerate(uris):
+            if uri in self.skipped:  # known bad from an earlier epoch
+                lost[0] += expected[j]
+            else:
+                todo.append(j)
+        while todo:
+            cur, buf, got = 0, [], 0
+            try:
+                for k, rows in self._read([uris[j] for j in todo], self._width, **self._read_kwargs):
+                    while k > cur:
+                        self._check_rows(todo[cur], got, expected)
+                        if buf:
+                            yield np.concatenate(buf)
+                        cur, buf, got = cur + 1, [], 0
+                    buf.append(rows)
+                    got += len(rows)
+                while cur < len(todo):
+                    self._check_rows(todo[cur], got, expected)
+                    if buf:
+                        yield np.concatenate(buf)
+                    cur, buf, got = cur + 1, [], 0
+                return
+            except _BadShard as e:
+                bad, reason = e.index, e.reason
+            except Exception as e:  # noqa: BLE001 - which shard? read them plainly to find out
+                found = self._find_bad(uris, todo[cur:], expected)
+                if found is None:
+                    raise
+                bad, reason = found
+            uri = uris[bad]
+            if self.on_bad_shard != "skip":
+                raise UserError(f"training data: shard {uri} cannot be used ({reason}); restore it or prepare the "
+                                f"dataset again, or set data.on_bad_shard=skip to train without it") from None
+            import logging
+
+            logging.getLogger("raytrain").warning("skipping unreadable shard %s (%s)", uri, reason)
+            self.skipped.append(uri)
+            lost[0] += expected[bad]
+            todo = [j for j in todo[cur:] if j != bad]
+
+    @staticmethod
+    def _check_rows(j: int, got: int, expected: list[int]) -> None:
+        if got != expected[j]:
+            raise _BadShard(j, f"read {got} rows, its manifest entry says {expected[j]}; truncated?")
+
+    def _find_bad(self, uris: list[str], candidates: list[int], expected: list[int],
+                  limit: int = 8) -> Optional[tuple[int, str]]:
+        """The first unreadable shard among the next few (the reader may have failed on one it read ahead)."""
+        for j in candidates[:limit]:
+            try:
+                got = sum(len(r) for _, r in self._plain([uris[j]], self._width))
+            except Exception as e:  # noqa: BLE001 - any read failure marks the shard
+                return j, _first_line(e)
+            if got != expected[j]:
+                return j, f"read {got} rows, its manifest entry says {expected[j]}; truncated?"
+        return None
 
     def _all_rows(self) -> Iterator[np.ndarray]:
         epoch, offset = divmod(self.position, self.split.num_samples)

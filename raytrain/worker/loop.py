@@ -102,7 +102,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     stream = SampleStream(train_split, cfg.run.seed, cfg.data.shuffle, cfg.data.shuffle_window, state.samples_seen,
                           reader=loop_config.get("reader", "ray"), prefetch=cfg.data.prefetch_batches,
                           read_cpus=cfg.scaling.data_cpus / max(1, world), background=True,
-                          stall_timeout_s=cfg.data.stall_timeout_s).start()
+                          stall_timeout_s=cfg.data.stall_timeout_s, on_bad_shard=cfg.data.on_bad_shard).start()
 
     # Validation is small and read once, so a direct read beats starting a Ray Data pipeline for it.
     evaluate = Evaluator(val_split, cfg.data.eval_samples, cfg.batch.micro_batch_size, rank, world, device,
@@ -160,7 +160,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
                 "lr": engine.get_lr()[0], "grad_norm": float(grad_norm) if grad_norm is not None else None,
                 "tokens_per_s": tps, "samples_per_s": window_steps * gb / dt,
                 "tflops_per_worker": fpt * tps / world / 1e12, "data_wait_frac": data_wait / dt,
-                "tokens_seen": state.tokens_seen, "epoch": stream.epoch, **_memory(),
+                "tokens_seen": state.tokens_seen, "epoch": stream.epoch, "data_skipped_shards": len(stream.skipped),
+                **_memory(),
             })
             window_t, window_steps, data_wait = time.perf_counter(), 0, 0.0
         if do_eval:

@@ -1,0 +1,188 @@
+"""Where `raytrain prepare` reads documents from: local or s3:// files and globs of plain text (one document per
+file or per line), JSONL (a text field) and Parquet (a text column), in a deterministic order, in this process
+or as a Ray Data pipeline spread over the cluster. Invalid UTF-8 is replaced or dropped, and counted.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import glob
+import io
+import json
+import os
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Iterator, Optional
+
+from raytrain import storage
+from raytrain.data.corpus import BUILTIN, python_docs
+from raytrain.errors import UserError
+
+_GLOB = set("*?[")
+
+
+def kind(uri: str) -> str:
+    name = uri.rsplit("/", 1)[-1].lower()
+    return "jsonl" if name.endswith((".jsonl", ".ndjson")) else "parquet" if name.endswith(".parquet") else "text"
+
+
+def expand(spec: str) -> list[str]:
+    """Files named by a path, directory or glob (local or s3://), sorted, so the order never depends on listing."""
+    if storage.is_remote(spec):
+        fs, path = storage.resolve(spec)
+        cut = min((path.index(c) for c in _GLOB if c in path), default=None)
+        import pyarrow.fs as pafs
+
+        try:
+            if cut is None and fs.get_file_info(path).type == pafs.FileType.File:
+                return [spec]
+            base = path if cut is None else path[:cut].rsplit("/", 1)[0]
+            infos = fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True))
+        except OSError as e:
+            raise UserError(f"input {spec!r}: cannot list it ({str(e).strip().splitlines()[0]})") from None
+        files = sorted("s3://" + i.path for i in infos if i.type == pafs.FileType.File
+                       and (cut is None or fnmatch.fnmatchcase(i.path, path)))
+    else:
+        files = []
+        for p in sorted(Path(p) for p in glob.glob(str(Path(spec).expanduser()), recursive=True)):
+            files.extend(sorted(str(q.absolute()) for q in p.rglob("*") if q.is_file()) if p.is_dir()
+                         else [str(p.absolute())])
+    if not files:
+        raise UserError(f"input {spec!r} matches no files")
+    return files
+
+
+def _decode(data: bytes, invalid_utf8: str) -> tuple[Optional[str], str]:
+    try:
+        return data.decode("utf-8"), "ok"
+    except UnicodeDecodeError:
+        if invalid_utf8 == "drop":
+            return None, "dropped"
+        return data.decode("utf-8", errors="replace"), "replaced"
+
+
+def read_file(uri: str, text_field: str = "text", text_mode: str = "file",
+              invalid_utf8: str = "replace") -> list[tuple[Optional[str], str]]:
+    """Documents of one file as (text or None if dropped, utf-8 status). Bad files are a UserError naming them."""
+    k = kind(uri)
+    if k == "parquet":
+        import pyarrow.parquet as pq
+
+        fs, path = storage.resolve(uri)
+        try:
+            with fs.open_input_file(path) as f:
+                pf = pq.ParquetFile(f)
+                if text_field not in pf.schema_arrow.names:
+                    raise UserError(f"input {uri}: Parquet file has no column {text_field!r} (columns: "
+                                    f"{', '.join(pf.schema_arrow.names)}); set text_field=...")
+                col = pf.read(columns=[text_field])[text_field]
+        except UserError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any pyarrow failure means the file is unreadable
+            raise UserError(f"input {uri}: not a readable Parquet file ({str(e).strip().splitlines()[0]})") from None
+        return [("" if v is None else str(v), "ok") for v in col.to_pylist()]
+    try:
+        data = storage.read_bytes(uri)
+    except UserError as e:
+        raise UserError(f"input {uri}: cannot read it ({e})") from None
+    if k == "text" and text_mode == "file":
+        return [_decode(data, invalid_utf8)]
+    out = []
+    for lineno, raw in enumerate(io.BytesIO(data), 1):
+        text, status = _decode(raw, invalid_utf8)
+        if text is None:
+            out.append((None, status))
+            continue
+        if not text.strip():  # blank lines separate documents; they are not documents
+            continue
+        if k == "text":
+            out.append((text.rstrip("\r\n"), status))
+            continue
+        try:
+            rec = json.loads(text)
+        except json.JSONDecodeError:
+            raise UserError(f"input {uri}:{lineno}: not valid JSON") from None
+        if not isinstance(rec, dict) or text_field not in rec:
+            raise UserError(f"input {uri}:{lineno}: record has no {text_field!r} field (set text_field=...)")
+        out.append((str(rec[text_field]), status))
+    return out
+
+
+def _rows_of(row: dict, **kw) -> list[dict]:
+    return [{"text": t, "utf8": s} for t, s in read_file(row["uri"], **kw)]
+
+
+def _user_error_in(err: BaseException) -> Optional[str]:
+    """A UserError raised inside a Ray task arrives wrapped; find its one line."""
+    marker = "UserError: "
+    while err is not None:
+        if isinstance(err, UserError) and marker not in str(err):
+            return str(err)
+        if marker in str(err):
+            return str(err).split(marker, 1)[1].strip().splitlines()[0]
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def use_ray(engine: str) -> bool:
+    import ray
+
+    if engine == "local" or (engine == "auto" and not ray.is_initialized() and not os.environ.get("RAY_ADDRESS")):
+        return False
+    if not ray.is_initialized():
+        ray.init(address=os.environ.get("RAY_ADDRESS") or None, log_to_driver=False)
+    return True
+
+
+def iter_documents(inputs: list[str], counts: Counter, text_field: str = "text", text_mode: str = "file",
+                   invalid_utf8: str = "replace", max_chars: int = 3_000_000, engine: str = "auto",
+                   log=print) -> Iterator[str]:
+    """Yield documents in a deterministic order (inputs in order, files sorted, lines in order).
+
+    engine=ray reads the files as a Ray Data pipeline (file order preserved, progress bars shown), so a
+    large corpus is read by every node of the cluster; engine=local reads them here; auto: ray when this
+    process is connected to a Ray cluster (or RAY_ADDRESS is set), else local.
+    """
+    kw = {"text_field": text_field, "text_mode": text_mode, "invalid_utf8": invalid_utf8}
+    ray_engine = None
+    for spec in inputs:
+        if spec in BUILTIN:
+            yield from python_docs(max_chars)
+            continue
+        uris = expand(spec)
+        if ray_engine is None:
+            ray_engine = use_ray(engine)
+        if ray_engine:
+            import ray.data
+
+            ctx = ray.data.DataContext.get_current()
+            ctx.execution_options.preserve_order = True
+            ds = ray.data.from_items([{"uri": u} for u in uris], override_num_blocks=min(len(uris), 200))
+            rows = ds.flat_map(functools.partial(_rows_of, **kw)).iter_rows()
+        else:
+            rows = _local_rows(uris, kw, log)
+        try:
+            for row in rows:
+                if row["utf8"] != "ok":
+                    counts["invalid_utf8_replaced" if row["text"] is not None else "dropped_invalid_utf8"] += 1
+                if row["text"] is not None:
+                    yield row["text"]
+        except UserError:
+            raise
+        except Exception as e:  # noqa: BLE001 - unwrap our one-line errors from Ray tasks
+            msg = _user_error_in(e)
+            if msg:
+                raise UserError(msg) from None
+            raise
+
+
+def _local_rows(uris: list[str], kw: dict, log) -> Iterator[dict]:
+    t_last = time.monotonic()
+    for n, uri in enumerate(uris, 1):
+        yield from _rows_of({"uri": uri}, **kw)
+        if time.monotonic() - t_last > 10:
+            t_last = time.monotonic()
+            log(f"prepare: read {n} of {len(uris)} files")
+

@@ -1,0 +1,110 @@
+"""`raytrain prepare` inputs: text per file / per line, JSONL, Parquet, local and s3://, in this process and as a
+Ray Data pipeline; invalid UTF-8 replaced or dropped and counted; bad inputs named in one line; tokenizers."""
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from tokenizers import Tokenizer
+
+from raytrain import storage
+from raytrain.data.inputs import iter_documents
+from raytrain.data.prepare import EOT, PrepareConfig, prepare
+from raytrain.errors import UserError
+
+QUIET = {"log": lambda *_: None}
+DOCS = [f"document {i}: " + " ".join(f"word{(i * 7 + j) % 50}" for j in range(30)) for i in range(12)]
+
+
+def _write_inputs(root):
+    """The same 12 documents as .txt files, lines of one .txt, JSONL and Parquet."""
+    (root / "files").mkdir()
+    for i, d in enumerate(DOCS[:4]):
+        (root / "files" / f"{i:02d}.txt").write_text(d)
+    (root / "lines.txt").write_text("\n\n".join(DOCS[4:6]) + "\n")  # blank lines are not documents
+    (root / "recs.jsonl").write_text("".join(json.dumps({"body": d, "id": i}) + "\n" for i, d in enumerate(DOCS[6:9])))
+    pq.write_table(pa.table({"body": DOCS[9:], "n": [1, 2, 3]}), root / "table.parquet")
+
+
+def _read(inputs, **kw):
+    from collections import Counter
+
+    counts = Counter()
+    return list(iter_documents(inputs, counts, **kw)), counts
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+@pytest.mark.parametrize("engine", ["local", "ray"])
+def test_every_input_kind_in_order(tmp_path, where, engine, s3_server, ray_cluster):
+    _write_inputs(tmp_path)
+    base = str(tmp_path)
+    if where == "s3":
+        base = f"s3://raytrain-test/inputs-{engine}"
+        for p in tmp_path.rglob("*"):
+            if p.is_file():
+                storage.upload_file(str(p), f"{base}/{p.relative_to(tmp_path)}")
+    inputs = [f"{base}/files/*.txt", f"{base}/lines.txt", f"{base}/recs.jsonl", f"{base}/table.parquet"]
+    docs, counts = _read(inputs, text_field="body", text_mode="line", engine=engine)
+    assert docs == DOCS and not counts
+
+
+def test_invalid_utf8_replaced_or_dropped_and_counted(tmp_path):
+    (tmp_path / "a.txt").write_bytes(b"good text here")
+    (tmp_path / "b.txt").write_bytes(b"bad \xff\xfe bytes here")
+    docs, counts = _read([str(tmp_path / "*.txt")], invalid_utf8="replace", engine="local")
+    assert docs == ["good text here", "bad \ufffd\ufffd bytes here"] and counts["invalid_utf8_replaced"] == 1
+    docs, counts = _read([str(tmp_path / "*.txt")], invalid_utf8="drop", engine="local")
+    assert docs == ["good text here"] and counts["dropped_invalid_utf8"] == 1
+    report = prepare(PrepareConfig(inputs=[str(tmp_path / "*.txt")], out=str(tmp_path / "o"), vocab_size=260,
+                                   seq_len=4, val_fraction=0.0, invalid_utf8="drop"), **QUIET)
+    assert report["filters"]["input"] == 2 and report["filters"]["dropped_invalid_utf8"] == 1
+    assert report["filters"]["kept"] == 1
+
+
+@pytest.mark.parametrize("name, content, needle", [
+    ("x.jsonl", b'{"text": "fine"}\n{"body": "no text field"}\n', r"x.jsonl:2: record has no 'text' field"),
+    ("x.jsonl", b'{"text": "fine"}\nnot json\n', r"x.jsonl:2: not valid JSON"),
+    ("x.parquet", None, r"x.parquet: Parquet file has no column 'text' \(columns: body\)"),
+    ("x.parquet", b"PAR1 this is not parquet", r"x.parquet: not a readable Parquet file"),
+])
+@pytest.mark.parametrize("engine", ["local", "ray"])
+def test_bad_input_file_is_named_in_one_line(tmp_path, name, content, needle, engine, ray_cluster):
+    p = tmp_path / name
+    if content is None:
+        pq.write_table(pa.table({"body": ["a"]}), p)
+    else:
+        p.write_bytes(content)
+    with pytest.raises(UserError, match=needle) as e:
+        prepare(PrepareConfig(inputs=[str(p)], out=str(tmp_path / "o"), vocab_size=260, engine=engine), **QUIET)
+    assert "\n" not in str(e.value) and str(p) in str(e.value)
+
+
+def test_unreadable_file_is_named(tmp_path):
+    (tmp_path / "ok.txt").write_text("fine")
+    (tmp_path / "gone.txt").symlink_to(tmp_path / "deleted-meanwhile.txt")  # listed, but cannot be read
+    with pytest.raises(UserError, match=f"input {tmp_path / 'gone.txt'}: cannot read it"):
+        prepare(PrepareConfig(inputs=[str(tmp_path / "*.txt")], out=str(tmp_path / "o"), vocab_size=260), **QUIET)
+
+
+def test_s3_glob_matching_nothing(s3_server):
+    with pytest.raises(UserError, match="matches no files"):
+        _read(["s3://raytrain-test/nothing-here/*.txt"], engine="local")
+
+
+def test_tokenizer_special_tokens_sample_and_reuse(tmp_path):
+    _write_inputs(tmp_path)
+    cfg = dict(inputs=[str(tmp_path / "files")], vocab_size=300, seq_len=8, val_fraction=0.0)
+    prepare(PrepareConfig(out=str(tmp_path / "a"), special_tokens=["<|pad|>", "<|sep|>"], tokenizer_sample_docs=2,
+                          **cfg), **QUIET)
+    tok = Tokenizer.from_file(str(tmp_path / "a" / "tokenizer.json"))
+    assert [tok.token_to_id(t) for t in (EOT, "<|pad|>", "<|sep|>")] == [0, 1, 2]
+    # An existing tokenizer.json, or a Hugging Face tokenizer directory holding one, is used as is.
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    (hf_dir / "tokenizer.json").write_text((tmp_path / "a" / "tokenizer.json").read_text())
+    for src in (str(tmp_path / "a" / "tokenizer.json"), str(hf_dir)):
+        prepare(PrepareConfig(out=str(tmp_path / "b"), tokenizer=src, **cfg), **QUIET)
+        assert (tmp_path / "b" / "tokenizer.json").read_text() == (tmp_path / "a" / "tokenizer.json").read_text()
+    with pytest.raises(UserError, match="has no </s> token; set eot_token="):
+        prepare(PrepareConfig(out=str(tmp_path / "c"), tokenizer=str(hf_dir), eot_token="</s>", **cfg), **QUIET)
