@@ -49,7 +49,7 @@ class _Section(BaseModel):
 class ModelConfig(_Section):
     """Transformer shape. Built with `transformers` config classes, random init, no hub access."""
 
-    family: Literal["gpt2", "llama"] = Field("gpt2", description="architecture: GPT-2 (learned positions) or Llama (RoPE, RMSNorm, SwiGLU)")
+    family: Literal["gpt2", "llama", "mixtral"] = Field("gpt2", description="architecture: GPT-2 (learned positions), Llama (RoPE, RMSNorm, SwiGLU) or Mixtral (Llama with a Mixture-of-Experts MLP)")
     n_layer: int = Field(2, ge=1, description="transformer blocks")
     hidden_size: int = Field(128, ge=8, description="model width; divisible by n_head")
     n_head: int = Field(4, ge=1, description="attention heads")
@@ -62,6 +62,10 @@ class ModelConfig(_Section):
     init_std: float = Field(0.02, gt=0.0, description="std of the normal weight init")
     attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="torch SDPA (flash / memory-efficient kernels where available) or eager")
     activation_checkpointing: bool = Field(False, description="recompute activations in backward: less memory, ~30% more compute")
+    moe_experts: int = Field(8, ge=2, description="mixtral only: experts per MoE layer")
+    moe_top_k: int = Field(2, ge=1, description="mixtral only: experts each token is routed to (top-k routing; dropless, so there is no capacity factor)")
+    moe_aux_loss_coef: float = Field(0.01, ge=0.0, description="mixtral only: weight of the router's load-balancing loss added to the training loss (logged as aux_loss)")
+    init_from: Optional[str] = Field(None, description="fine-tune: start from this Hugging Face model directory (local or s3://, e.g. a `raytrain export`); its config sets the model shape, and the data must use its tokenizer")
 
     @model_validator(mode="after")
     def _heads_divide(self) -> "ModelConfig":
@@ -69,6 +73,8 @@ class ModelConfig(_Section):
             raise ValueError(f"model.hidden_size={self.hidden_size} must be divisible by model.n_head={self.n_head}")
         if self.n_kv_head is not None and self.n_head % self.n_kv_head:
             raise ValueError(f"model.n_head={self.n_head} must be divisible by model.n_kv_head={self.n_kv_head}")
+        if self.moe_top_k > self.moe_experts:
+            raise ValueError(f"model.moe_top_k={self.moe_top_k} must be <= model.moe_experts={self.moe_experts}")
         return self
 
 
@@ -156,6 +162,13 @@ class CheckpointSection(_Section):
     keep_last: int = Field(3, ge=1, description="the newest complete checkpoints kept")
     keep_every: int = Field(0, ge=0, description="also keep every checkpoint whose step is a multiple of this; 0: none")
     save_final: bool = Field(True, description="checkpoint at run.max_steps")
+    upload: Literal["async", "sync"] = Field("async", description="async: training goes on while the checkpoint uploads (its stall is the local write); sync: training waits for the upload and commit")
+    on_upload_failure: Literal["warn", "stop"] = Field("warn", description="an upload that still fails after retries leaves that checkpoint uncommitted; warn and train on, or stop the run")
+    upload_retries: int = Field(3, ge=0, description="retries (with backoff) of a failed checkpoint upload, on top of the S3 client's own retries")
+    commit_timeout_s: float = Field(600.0, gt=0, description="rank 0 waits this long for every rank's upload before giving up on a checkpoint")
+    staging_dir: Optional[str] = Field(None, description="local directory for the copy written before upload; default: the system temp dir")
+    on_preemption: bool = Field(True, description="checkpoint at once when a node is drained for preemption or a worker gets SIGTERM")
+    preemption_check_every: int = Field(1, ge=1, description="steps between checks of Ray's preemption notice (a barrier across workers)")
 
 
 class RunSection(_Section):
@@ -167,6 +180,34 @@ class RunSection(_Section):
     eval_every: int = Field(100, ge=0, description="validation interval in steps; 0: only at the end (and step 0)")
     log_every: int = Field(10, ge=1, description="metrics / console interval in steps")
     max_failures: int = Field(3, ge=0, description="worker-failure restarts before the run fails")
+    max_preemptions: int = Field(-1, ge=-1, description="restarts after node preemptions, counted apart from failures; -1: unlimited")
+
+
+class MetricsSection(_Section):
+    """Where each log step's metrics go besides metrics.jsonl (see docs/OBSERVABILITY.md), and the peak used for MFU."""
+
+    prometheus: bool = Field(True, description="export raytrain_* series through Ray's metrics API (Ray's Prometheus endpoint, labels run/worker)")
+    tensorboard: bool = Field(False, description="also write TensorBoard event files to <run>/tensorboard/")
+    peak_tflops: Optional[float] = Field(None, gt=0.0, description="peak TFLOP/s of one worker's device for MFU; null: the GPU table in worker/telemetry.py, or cpu_peak_tflops on CPU")
+    cpu_peak_tflops: float = Field(0.1, gt=0.0, description="nominal peak TFLOP/s of one CPU worker (MFU on CPU is only indicative)")
+
+
+class HealthSection(_Section):
+    """Health rules checked in the training loop (PRODUCT.md). Null thresholds: GPU defaults on GPU, CPU defaults on CPU."""
+
+    enabled: bool = Field(True, description="evaluate the rules; each violation is logged once with advice and counted")
+    min_tflops_per_worker: Optional[float] = Field(None, ge=0.0, description="throughput alert below this achieved TFLOP/s per worker; null: 0.8 (GPU) / 1e-4 (CPU)")
+    grad_norm_max: Optional[float] = Field(None, gt=0.0, description="gradient-norm alert above this; null: 1.0 (GPU) / 10 (CPU: tiny models at high lr)")
+    grad_norm_min: float = Field(1e-5, ge=0.0, description="gradient-norm alert below this (vanishing gradients)")
+    memory_frac_max: float = Field(0.95, gt=0.0, le=1.0, description="memory alert at this fraction of the accelerator's (CPU: the host's) memory ...")
+    memory_minutes: float = Field(5.0, ge=0.0, description="... held for this many minutes")
+    eval_patience: int = Field(3, ge=1, description="convergence alert when validation loss has not improved for this many consecutive evaluations")
+    spike_zscore: float = Field(6.0, ge=0.0, description="a step loss this many standard deviations above the recent window is a spike; 0: off")
+    spike_window: int = Field(50, ge=5, description="recent step losses the spike z-score is measured against")
+    grace_steps: int = Field(10, ge=0, description="steps after a (re)start or rollback before the throughput, gradient-norm and spike rules apply")
+    on_bad_loss: Literal["rollback", "stop", "warn"] = Field("rollback", description="NaN/inf loss or spike: roll back to the last complete checkpoint and skip the data window, stop, or only warn")
+    skip_batches: int = Field(1, ge=1, description="global batches skipped on a rollback, starting with the offending one")
+    max_rollbacks: int = Field(3, ge=0, description="rollbacks allowed in one run; one more stops it with a health report")
 
 
 class Config(_Section):
@@ -181,6 +222,8 @@ class Config(_Section):
     scaling: ScalingSection = Field(default_factory=ScalingSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     run: RunSection = Field(default_factory=RunSection)
+    metrics: MetricsSection = Field(default_factory=MetricsSection)
+    health: HealthSection = Field(default_factory=HealthSection)
 
     @model_validator(mode="after")
     def _batch_consistent(self) -> "Config":

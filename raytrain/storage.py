@@ -36,9 +36,11 @@ def _s3_filesystem() -> pafs.S3FileSystem:
         kwargs["region"] = region
     # Transient errors (throttling, resets) are retried with backoff; a dead endpoint still fails in
     # seconds rather than minutes.
-    kwargs["connect_timeout"] = 5
-    kwargs["request_timeout"] = 30
-    kwargs["retry_strategy"] = pafs.AwsStandardS3RetryStrategy(max_attempts=5)
+    # Operators on slow links can raise them through RAYTRAIN_S3_* variables.
+    kwargs["connect_timeout"] = float(os.environ.get("RAYTRAIN_S3_CONNECT_TIMEOUT", 5))
+    kwargs["request_timeout"] = float(os.environ.get("RAYTRAIN_S3_REQUEST_TIMEOUT", 30))
+    kwargs["retry_strategy"] = pafs.AwsStandardS3RetryStrategy(
+        max_attempts=int(os.environ.get("RAYTRAIN_S3_MAX_ATTEMPTS", 5)))
     return pafs.S3FileSystem(**kwargs)
 
 
@@ -141,6 +143,54 @@ def list_dir(uri: str) -> list[str]:
 
 def upload_file(local_path: str, uri: str) -> None:
     write_bytes(uri, Path(local_path).read_bytes())
+
+
+def upload_dir(local_dir: str, uri: str) -> None:
+    """Copy a local directory tree under `uri` (multipart and parallel on S3)."""
+    fs, path = resolve(uri)
+    try:
+        if isinstance(fs, pafs.LocalFileSystem):
+            fs.create_dir(path, recursive=True)
+        pafs.copy_files(local_dir, path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs,
+                        use_threads=True)
+    except OSError as e:
+        raise _fail(uri, e, "upload to") from None
+
+
+def delete_dir(uri: str) -> None:
+    """Remove a directory tree; a missing one is fine."""
+    fs, path = resolve(uri)
+    try:
+        fs.delete_dir(path)
+    except (FileNotFoundError, OSError):
+        pass
+
+
+def download_dir(uri: str, local_dir: str) -> str:
+    """Copy every file under a directory URI into a local directory; returns the local directory."""
+    fs, path = resolve(uri)
+    if not exists(uri):
+        raise UserError(f"not found: {uri}")
+    try:
+        for info in fs.get_file_info(pafs.FileSelector(path, recursive=True)):
+            if info.type != pafs.FileType.File:
+                continue
+            dest = Path(local_dir) / os.path.relpath(info.path, path)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            with fs.open_input_stream(info.path) as src, open(dest, "wb") as f:
+                while block := src.read(1 << 24):
+                    f.write(block)
+    except OSError as e:
+        raise _fail(uri, e, "download") from None
+    return local_dir
+
+
+def upload_dir(local_dir: str, uri: str) -> None:
+    """Copy every file under a local directory to a directory URI (each object written whole)."""
+    for dirpath, _, files in os.walk(local_dir):
+        for name in files:
+            path = os.path.join(dirpath, name)
+            upload_file(path, join(uri, os.path.relpath(path, local_dir).replace(os.sep, "/")))
 
 
 def make_dirs(uri: str) -> None:

@@ -168,19 +168,24 @@ def _trainer_class():
     return _TorchTrainer
 
 
-def train(cfg: Config, log: Callable[[str], None] = print, reader: str = "ray", inject: Optional[dict] = None) -> dict:
+def train(cfg: Config, log: Callable[[str], None] = print, reader: str = "ray", inject: Optional[dict] = None,
+          callbacks: Optional[list] = None) -> dict:
     """Run (or resume) a training run to run.max_steps. Returns the run's summary.json contents.
 
     `inject` is the fault-injection hook (see worker.loop._crash_hook), for tests and chaos drills.
+    `callbacks` are Ray Train callbacks for the run, e.g. Tune's TuneReportCallback when the run is a
+    sweep trial (raytrain.sweep): every metrics report of the workers then reaches the Tune trial.
     """
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig
 
+    from raytrain.model import apply_init_from
     from raytrain.worker.loop import train_loop_per_worker
 
     cfg = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(
         update={"storage": storage.absolute(cfg.checkpoint.storage)})})
     train_split, val_split = check_inputs(cfg)
+    cfg = apply_init_from(cfg, train_split.tokenizer_uri, log)  # fine-tuning: shape from the model dir
     storage.check_writable(cfg.run_uri)
     cfg = check_resume_compatible(cfg)
     log(f"[raytrain] run {cfg.run.name} -> {cfg.run_uri} | global batch {cfg.global_batch} sequences = "
@@ -204,7 +209,10 @@ def train(cfg: Config, log: Callable[[str], None] = print, reader: str = "ray", 
             name=cfg.run.name,
             storage_path=storage_path,
             storage_filesystem=fs,
-            failure_config=FailureConfig(max_failures=cfg.run.max_failures),
+            # Two budgets: a spot run expects many preemptions but few real failures.
+            failure_config=FailureConfig(max_failures=cfg.run.max_failures,
+                                         max_preemption_failures=cfg.run.max_preemptions),
+            callbacks=callbacks,
         ),
     )
     try:

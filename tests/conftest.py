@@ -69,27 +69,30 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
-def s3_server():
-    """A real S3-protocol server (moto in server mode) on 127.0.0.1, with the standard AWS env set."""
+def start_moto() -> tuple[subprocess.Popen, str]:
+    """Start a moto S3 server on a free 127.0.0.1 port; returns (process, endpoint) once it listens."""
     port = _free_port()
     exe = shutil.which("moto_server", path=os.path.dirname(sys.executable)) or "moto_server"
     proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
-    endpoint = f"http://127.0.0.1:{port}"
+    for _ in range(100):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return proc, f"http://127.0.0.1:{port}"
+        except OSError:
+            time.sleep(0.1)
+    proc.kill()
+    pytest.fail("moto_server did not start")
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A real S3-protocol server (moto in server mode) on 127.0.0.1, with the standard AWS env set."""
+    proc, endpoint = start_moto()
     env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
            "AWS_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
-    for _ in range(100):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            break
-        except OSError:
-            time.sleep(0.1)
-    else:
-        proc.kill()
-        pytest.fail("moto_server did not start")
     import boto3
 
     boto3.client("s3").create_bucket(Bucket="raytrain-test")

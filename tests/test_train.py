@@ -23,6 +23,11 @@ def _metrics(run_uri: str) -> list[dict]:
     return [json.loads(line) for line in storage.read_text(storage.join(run_uri, "metrics.jsonl")).splitlines()]
 
 
+def _crcs(run_uri: str) -> dict[int, int]:
+    """Per step, the fingerprint of the global batch trained on: equal maps = the same samples in order."""
+    return {r["step"]: r["batch_crc32"] for r in _metrics(run_uri) if "loss" in r}
+
+
 def _losses(run_uri: str) -> dict[int, float]:
     recs = [r for r in _metrics(run_uri) if "loss" in r]
     steps = [r["step"] for r in recs]
@@ -114,6 +119,28 @@ def test_resize_2_to_1_to_2_keeps_data_position_and_global_batch(ray_cluster, ti
     for step in (8, 12):
         state = json.loads((tmp_path / "resize" / f"checkpoint_{step:08d}" / "raytrain_state.json").read_text())
         assert state["samples_seen"] == step * 8 and state["global_batch"] == 8
+    assert _crcs(two.run_uri) == _crcs(baseline[0]["run_uri"])
+
+
+def test_sigterm_checkpoints_at_once_and_resumes_identically(ray_cluster, tiny_data, tmp_path, baseline):
+    """A worker gets SIGTERM at step 7 (no periodic checkpoint near): every rank checkpoints at that step
+    or the next, the signalled worker then exits, and the run resumes there - no step lost."""
+    _, want = baseline
+    cfg = tiny_cfg(tiny_data, tmp_path, "sigterm", "run.max_steps=12", "checkpoint.every_n_steps=100",
+                   "run.max_failures=1")
+    summary = train(cfg, log=lambda *_: None, inject={"events": [{"step": 7, "rank": 1, "signal": "SIGTERM"}],
+                                                      "marker": str(tmp_path / "term")})
+    assert (tmp_path / "term.0").exists(), "the signal was not sent"
+    noticed = [r["step"] for r in _metrics(cfg.run_uri) if r.get("preemption_checkpoint")]
+    assert noticed and noticed[0] in (7, 8), noticed
+    attempts = [json.loads(x) for x in (tmp_path / "sigterm" / "attempts.jsonl").read_text().splitlines()]
+    assert [a["resumed_step"] for a in attempts] == [0, noticed[0]]  # resumed exactly where the notice saved
+    assert summary["restarts"] == 1 and summary["steps"] == 12
+    got = _losses(cfg.run_uri)
+    assert sorted(got) == list(range(1, 13))
+    for step in range(1, 13):
+        assert got[step] == pytest.approx(want[step], abs=1e-5), step
+    assert _crcs(cfg.run_uri) == _crcs(baseline[0]["run_uri"])
 
 
 def test_workers_taking_every_cpu_fail_clearly_instead_of_hanging(ray_cluster, tiny_data, tmp_path):

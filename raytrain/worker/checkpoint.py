@@ -6,8 +6,9 @@ A checkpoint directory holds:
     raytrain_state.json         step, samples_seen (the data position), tokens_seen, world size
     config.yaml                 the resolved config of the run that wrote it
     manifest.json               written last: every file with size and sha256 (see raytrain.checkpoints)
-Each rank writes its part to a local directory, hashes it, and hands it to `ray.train.report`, which
-uploads all ranks' parts into one directory in storage. When every rank's upload has returned, rank 0
+    _uploaded/rank_NNNNN.json   per-rank upload markers (the save's token and that rank's files)
+Each rank writes its part to a local staging directory and uploads it into the one checkpoint
+directory in storage (in the background by default). When every rank's marker is there, rank 0
 writes the manifest: the checkpoint is committed. Resume always takes the newest committed one.
 """
 
@@ -16,7 +17,11 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import tempfile
+import threading
+import time
+import uuid
 from dataclasses import asdict, dataclass
 from typing import Optional
 
@@ -55,42 +60,156 @@ def _set_rng_state(s: dict) -> None:
         torch.cuda.set_rng_state_all(s["cuda"])
 
 
-def save(engine, state: TrainState, config_yaml: str, rank: int, metrics: dict, run_uri: str, keep_last: int,
-         keep_every: int = 0) -> str:
-    """Collective: every rank must call it at the same step. Returns the checkpoint's directory name."""
-    import ray.train
-    import torch.distributed as dist
+class CheckpointWriter:
+    """Saves checkpoints: the local copy on the training thread, upload and commit after it.
 
-    from raytrain import checkpoints, storage
+    `save` writes this rank's part to a local staging directory (the only time training waits in
+    async mode), then uploads it - in a background thread (`upload: async`) or inline (`sync`). Each
+    rank's upload ends with a marker file naming the save's token and its files' sizes and hashes;
+    rank 0 writes the manifest only when every rank's marker for this token is in storage. A rank
+    that cannot upload (after retries) writes no marker, so the checkpoint is never committed: a
+    warning, or a stop when `on_upload_failure: stop`. At most one save is in flight at a time.
+    """
 
-    with tempfile.TemporaryDirectory(prefix="raytrain-ckpt-") as d:
-        engine.save_checkpoint(d, tag=ENGINE_TAG)
-        os.makedirs(os.path.join(d, "rng"), exist_ok=True)
-        torch.save(_rng_state(), os.path.join(d, "rng", f"rank_{rank:05d}.pt"))
-        if rank == 0:
-            with open(os.path.join(d, STATE), "w") as f:
-                json.dump(asdict(state), f)
-            with open(os.path.join(d, CONFIG), "w") as f:
-                f.write(config_yaml)
+    def __init__(self, ckpt_cfg, run_uri: str, rank: int, world: int, protect: tuple[str, ...] = ()):
+        self.c, self.run_uri, self.rank, self.world = ckpt_cfg, run_uri, rank, world
+        self.protect = protect  # e.g. the checkpoint this attempt resumed from
+        self.committed: Optional[str] = None  # newest checkpoint this writer committed (rank 0)
+        self.failed: list[str] = []
+        self.last_stall_s = 0.0  # training time lost to the last save (local write + inline upload)
+        self.last_upload_s = 0.0
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[str] = None
+        staging = ckpt_cfg.staging_dir or os.path.join(tempfile.gettempdir(), "raytrain-staging")
+        self._staging = os.path.join(os.path.expanduser(staging), f"{os.getpid()}-rank{rank}")
+
+    def save(self, engine, state: TrainState, config_yaml: str) -> str:
+        """Collective: every rank calls it at the same step. Returns the checkpoint's directory name."""
+        import torch.distributed as dist
+
+        from raytrain import checkpoints, storage
+
+        t0 = time.perf_counter()
+        self.wait()
         name = dir_name(state.step)
-        files = checkpoints.hash_local_files(d)
-        if rank == 0:
-            # A directory of this name can exist from an earlier attempt; its old manifest must not
-            # vouch for the files about to be overwritten.
-            checkpoints.uncommit(storage.join(run_uri, name))
-        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d), checkpoint_dir_name=name)
-    # Each rank's report returns after its own upload; gathering afterwards is the barrier that
-    # proves all uploads are done before the manifest makes the checkpoint count.
-    gathered = [None] * dist.get_world_size() if dist.is_initialized() else [files]
-    if dist.is_initialized():
-        dist.all_gather_object(gathered, files)
-    if rank == 0:
-        merged = {k: v for per_rank in gathered for k, v in per_rank.items()}
-        uri = storage.join(run_uri, name)
-        checkpoints.commit(uri, state.step, merged, {"world_size": state.world_size,
-                                                     "global_batch": state.global_batch})
-        checkpoints.prune(run_uri, keep_last, protect=(uri,), keep_every=keep_every)
-    return name
+        uri = storage.join(self.run_uri, name)
+        token = [uuid.uuid4().hex if self.rank == 0 else None]
+        if self.rank == 0:
+            # A directory of this name can exist from an earlier attempt: its manifest must not vouch
+            # for files about to be overwritten, nor its markers for this save.
+            checkpoints.uncommit(uri)
+            storage.delete_dir(storage.join(uri, _MARKERS))
+        if dist.is_initialized():
+            dist.broadcast_object_list(token, src=0)  # also the barrier after the uncommit
+        local = os.path.join(self._staging, name)
+        shutil.rmtree(local, ignore_errors=True)
+        engine.save_checkpoint(local, tag=ENGINE_TAG)
+        os.makedirs(os.path.join(local, "rng"), exist_ok=True)
+        torch.save(_rng_state(), os.path.join(local, "rng", f"rank_{self.rank:05d}.pt"))
+        if self.rank == 0:
+            with open(os.path.join(local, STATE), "w") as f:
+                json.dump(asdict(state), f)
+            with open(os.path.join(local, CONFIG), "w") as f:
+                f.write(config_yaml)
+        extra = {"world_size": state.world_size, "global_batch": state.global_batch}
+        job = (local, uri, state.step, token[0], extra)
+        if self.c.upload == "async":
+            self._thread = threading.Thread(target=self._upload_and_commit, args=job, daemon=True,
+                                            name=f"raytrain-upload-{name}")
+            self._thread.start()
+        else:
+            self._upload_and_commit(*job)
+            self.check()
+        self.last_stall_s = time.perf_counter() - t0
+        return name
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is uploaded and, on rank 0, committed or given up."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self.check()
+
+    def check(self) -> None:
+        if self._error and self.c.on_upload_failure == "stop":
+            from raytrain.errors import UserError
+
+            raise UserError(self._error + " (checkpoint.on_upload_failure=stop; fix the storage and resubmit "
+                            "the run: it resumes from its newest complete checkpoint)")
+
+    def _upload_and_commit(self, local: str, uri: str, step: int, token: str, extra: dict) -> None:
+        from raytrain import checkpoints, storage
+
+        t0 = time.perf_counter()
+        name = uri.rsplit("/", 1)[-1]
+        try:
+            files = checkpoints.hash_local_files(local)
+            _retry(lambda: storage.upload_dir(local, uri), self.c.upload_retries)
+            _retry(lambda: storage.write_text(storage.join(uri, _MARKERS, f"rank_{self.rank:05d}.json"),
+                                              json.dumps({"token": token, "files": files})), self.c.upload_retries)
+        except Exception as e:  # noqa: BLE001 - any failure leaves the checkpoint uncommitted, never half-registered
+            self._fail(name, f"rank {self.rank} could not upload checkpoint {name}: {_first_line(e)}")
+            return
+        finally:
+            shutil.rmtree(local, ignore_errors=True)
+        self.last_upload_s = time.perf_counter() - t0
+        if self.rank != 0:
+            return
+        try:
+            merged = self._await_markers(uri, token)
+            checkpoints.commit(uri, step, merged, extra)
+            self.committed = name
+            checkpoints.prune(self.run_uri, self.c.keep_last, protect=(uri, *self.protect), keep_every=self.c.keep_every)
+        except Exception as e:  # noqa: BLE001
+            self._fail(name, f"checkpoint {name} was not committed: {_first_line(e)}")
+
+    def _await_markers(self, uri: str, token: str) -> dict:
+        from raytrain import storage
+
+        deadline = time.monotonic() + self.c.commit_timeout_s
+        merged: dict = {}
+        pending = set(range(self.world))
+        while pending:
+            for r in sorted(pending):
+                m = storage.join(uri, _MARKERS, f"rank_{r:05d}.json")
+                if storage.exists(m):
+                    rec = json.loads(storage.read_text(m))
+                    if rec.get("token") == token:
+                        merged.update(rec["files"])
+                        pending.discard(r)
+            if pending:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"ranks {sorted(pending)} did not finish uploading within "
+                                       f"checkpoint.commit_timeout_s={self.c.commit_timeout_s:g}")
+                time.sleep(0.1)
+        return merged
+
+    def _fail(self, name: str, msg: str) -> None:
+        from raytrain.worker.runlog import say
+
+        self.failed.append(name)
+        self._error = msg
+        say(f"warning: {msg}; training goes on (a restart would resume from the previous complete checkpoint)"
+            if self.c.on_upload_failure == "warn" else f"error: {msg}")
+
+
+_MARKERS = "_uploaded"  # per-rank upload markers; not part of the manifest
+
+
+def _retry(fn, retries: int, base_s: float = 1.0):
+    """Call fn, retrying with exponential backoff: transient storage errors should not cost a checkpoint."""
+    for attempt in range(retries + 1):
+        try:
+            return fn()
+        except Exception:  # noqa: BLE001
+            if attempt == retries:
+                raise
+            time.sleep(base_s * 2**attempt)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 def find_resume_point(run_uri: str, rank: int):

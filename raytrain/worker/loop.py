@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import zlib
 
 import numpy as np
 import torch
@@ -21,7 +22,9 @@ from raytrain.ds_config import build_ds_config, lr_lambda, resolve_dtype
 from raytrain.model import build_model, flops_per_token, param_count
 from raytrain.worker import checkpoint as ckpt
 from raytrain.worker.evaluate import Evaluator, lm_loss
-from raytrain.worker.runlog import SUMMARY, RunLog, say
+from raytrain.worker.preemption import PreemptionNotice
+from raytrain.worker.runlog import SUMMARY, RunLog, record_attempt, say
+from raytrain.worker.telemetry import Telemetry, nan_hook, oom_guard, rollback
 
 
 def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -58,6 +61,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     # Per-report INFO lines from Ray Train / Ray Data drown the progress lines; warnings still show.
     for name in ("ray.train", "ray.train.v2", "ray.train.v2._internal.execution.context", "ray.data"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    t_start = time.time()
     cfg = Config.model_validate(loop_config["config"])
     train_split = Split.from_dict(loop_config["train_split"])
     val_split = Split.from_dict(loop_config["val_split"]) if loop_config.get("val_split") else None
@@ -108,9 +112,14 @@ def train_loop_per_worker(loop_config: dict) -> None:
     evaluate = Evaluator(val_split, cfg.data.eval_samples, cfg.batch.micro_batch_size, rank, world, device,
                          "pyarrow") if val_split else None
     log = RunLog(cfg.run_uri, cfg.run.max_steps, state.step, enabled=rank == 0)
+    # The checkpoint this attempt resumed from is never pruned while it runs.
+    writer = ckpt.CheckpointWriter(cfg.checkpoint, cfg.run_uri, rank, world,
+                                   protect=(f"{cfg.run_uri}/{ckpt.dir_name(state.step)}",) if resumed else ())
+    notice = PreemptionNotice(rank, world, cfg.checkpoint.preemption_check_every, cfg.checkpoint.on_preemption)
     config_yaml = cfg.to_yaml()
     mb, acc, gb, seq = cfg.batch.micro_batch_size, cfg.accumulation, cfg.global_batch, cfg.model.seq_len
     fpt = flops_per_token(n_params, cfg.model)
+    tel = Telemetry(cfg, rank, world, cuda, fpt, log=say)  # metrics export, phase timers, health rules
     if rank == 0:
         say(f"{cfg.model.family} {n_params/1e6:.2f}M params | {world} workers x micro_batch {mb} x "
               f"accumulation {acc} = global batch {gb} sequences ({gb*seq} tokens) | ZeRO-{cfg.deepspeed.zero_stage} "
@@ -123,21 +132,46 @@ def train_loop_per_worker(loop_config: dict) -> None:
 
     last_ckpt = ckpt.dir_name(state.step) if resumed else None
     crash_at = _crash_hook(loop_config.get("inject") or {}, rank)
+    # Where this attempt started and when its first step was done: recovery time, steps lost, cost.
+    attempt = {"attempt": state.restarts, "resumed_step": state.step, "time": round(t_start, 3),
+               "world_size": world} if rank == 0 else None
+    poison = nan_hook(loop_config.get("inject") or {}, rank, gb)
     window_t, window_steps, data_wait = time.perf_counter(), 0, 0.0
     while state.step < cfg.run.max_steps:
         t0 = time.perf_counter()
         batch = stream.take(gb)  # the whole global batch; this rank trains on its slice of it
-        data_wait += time.perf_counter() - t0
+        # A fingerprint of exactly which samples this step trained on: resumed runs are checked against it.
+        batch_crc = zlib.crc32(np.ascontiguousarray(batch).tobytes())
+        data_wait += (waited := time.perf_counter() - t0)
+        tel.timer.add("data_wait", waited)
         loss_sum = torch.zeros((), device=device)
-        for a in range(acc):
-            rows = batch[(a * world + rank) * mb:(a * world + rank + 1) * mb]
-            x = torch.from_numpy(np.ascontiguousarray(rows)).to(device, non_blocking=True)
-            loss = lm_loss(engine, x)
-            engine.backward(loss)
-            engine.step()  # DeepSpeed only updates at the accumulation boundary
-            loss_sum += loss.detach().float()
+        with oom_guard(cfg, world, cuda):
+            for a in range(acc):
+                rows = batch[(a * world + rank) * mb:(a * world + rank + 1) * mb]
+                x = torch.from_numpy(np.ascontiguousarray(rows)).to(device, non_blocking=True)
+                with tel.timer("forward_backward"):
+                    loss = poison(state.samples_seen, lm_loss(engine, x))
+                    engine.backward(loss)
+                with tel.timer("optimizer"):
+                    engine.step()  # DeepSpeed only updates at the accumulation boundary
+                loss_sum += loss.detach().float()
         state.step += 1
         crash_at(state.step)
+        # Every step, one scalar all-reduce: all ranks judge the same loss, so all take the same action.
+        step_loss = _mean_across_ranks(loss_sum / acc, world)
+        bad = tel.health.check_step(state.step, step_loss)
+        if bad is not None and bad.action != "warn":
+            writer.wait()  # the newest checkpoint must be committed before it can be rolled back to
+            state = rollback(bad, tel, engine, state, stream, cfg.run_uri, gb)
+            log.rewind(state.step)
+            log.write({"step": state.step, "event": "rollback", **tel.rolled_back[-1]}, sync=True)
+            window_t, window_steps, data_wait = time.perf_counter(), 0, 0.0
+            tel.timer.take(1)
+            continue
+        preempted = notice.poll(state.step)  # collective, every step: all ranks agree on when to save
+        if attempt is not None:
+            record_attempt(cfg.run_uri, {**attempt, "first_step_time": round(time.time(), 3)})
+            attempt = None
         state.samples_seen += gb
         state.tokens_seen += gb * seq
         window_steps += 1
@@ -145,14 +179,15 @@ def train_loop_per_worker(loop_config: dict) -> None:
         last = state.step == cfg.run.max_steps
         do_log = state.step % cfg.run.log_every == 0 or last
         do_eval = evaluate is not None and ((cfg.run.eval_every and state.step % cfg.run.eval_every == 0) or last)
-        do_ckpt = state.step % cfg.checkpoint.every_n_steps == 0 or (last and cfg.checkpoint.save_final)
+        do_ckpt = (state.step % cfg.checkpoint.every_n_steps == 0 or (last and cfg.checkpoint.save_final)
+                   or preempted is not None)
         if not (do_log or do_eval or do_ckpt):
             continue
 
         rec: dict = {"step": state.step}
         if do_log:
             # Collective: every rank computes the same do_log, so this all-reduce never hangs.
-            rec["loss"] = _mean_across_ranks(loss_sum / acc, world)
+            rec["loss"] = step_loss
             dt = time.perf_counter() - window_t
             tps = window_steps * gb * seq / dt
             grad_norm = engine.get_global_grad_norm()
@@ -160,49 +195,88 @@ def train_loop_per_worker(loop_config: dict) -> None:
                 "lr": engine.get_lr()[0], "grad_norm": float(grad_norm) if grad_norm is not None else None,
                 "tokens_per_s": tps, "samples_per_s": window_steps * gb / dt,
                 "tflops_per_worker": fpt * tps / world / 1e12, "data_wait_frac": data_wait / dt,
-                "tokens_seen": state.tokens_seen, "epoch": stream.epoch, "data_skipped_shards": len(stream.skipped),
+                "tokens_seen": state.tokens_seen, "epoch": stream.epoch, "batch_crc32": batch_crc, "data_skipped_shards": len(stream.skipped),
                 **_memory(),
             })
+            rec.update(tel.log_step(rec, state, window_steps, dt))
             window_t, window_steps, data_wait = time.perf_counter(), 0, 0.0
         if do_eval:
             rec["val_loss"], rec["val_ppl"] = evaluate(engine)
+        tel.observe(rec, sync=do_eval or do_ckpt)
         log.write(rec, sync=True if (do_eval or do_ckpt) else None)
         log.console(rec)
         if do_ckpt:
-            t = time.perf_counter()
-            last_ckpt = ckpt.save(engine, state, config_yaml, rank, rec, cfg.run_uri, cfg.checkpoint.keep_last,
-                                  cfg.checkpoint.keep_every)
+            if preempted and rank == 0:
+                say(f"preemption notice at step {state.step}: {preempted}; checkpointing now")
+            name = writer.save(engine, state, config_yaml)
+            tel.checkpoint_saved(writer.last_stall_s)
+            log.write({"step": state.step, "checkpoint": name, "ckpt_stall_s": writer.last_stall_s,
+                       "ckpt_mode": cfg.checkpoint.upload, "preemption_checkpoint": preempted is not None})
             if rank == 0:
-                say(f"checkpoint {last_ckpt} saved in {time.perf_counter() - t:.1f}s")
-        elif do_eval:
+                say(f"checkpoint {name}: training paused {writer.last_stall_s:.2f}s ({cfg.checkpoint.upload} upload)")
+            if preempted:
+                # The notice's checkpoint must be committed before any rank leaves.
+                writer.wait()
+                if world > 1:
+                    dist.barrier()
+                notice.exit_if_terminated()
+                notice.hold()
+        if do_eval:
             # Metrics-only reports are kept to eval steps: each report waits for Ray Train's controller
             # to collect it (about a second), which would throttle a loop that logs every step.
             ray.train.report(rec)
 
+    writer.wait()  # the final upload and commit
+    last_ckpt = writer.committed or last_ckpt
     if rank == 0:
-        _write_summary(cfg, log, state, last_ckpt, n_params)
+        _write_summary(cfg, log, state, last_ckpt, n_params, extra=tel.summary())
+    tel.close()
 
 
 def _crash_hook(inject: dict, rank: int):
-    """Fault injection for tests and chaos drills: kill this worker process once at a given step.
+    """Fault injection for tests and chaos drills: signal this worker process at given steps.
 
-    `inject = {"crash_at_step": N, "marker": path, "rank": r}`; the marker file makes it fire only
-    once, so the restarted worker trains on past step N.
+    `inject = {"crash_at_step": N, "rank": r, "signal": "SIGKILL", "marker": path}` for one event, or
+    `{"events": [{"step": N, "rank": r, "signal": ...}, ...], "marker": dir}` for several. A marker
+    file per event makes each fire once, so the restarted worker trains on past that step. SIGTERM
+    goes through the worker's real handler (a preemption checkpoint); SIGKILL dies on the spot.
     """
-    step_n, marker = inject.get("crash_at_step"), inject.get("marker")
-    if not step_n or rank != inject.get("rank", 0):
+    import signal
+
+    events = inject.get("events") or ([{"step": inject["crash_at_step"], "rank": inject.get("rank", 0),
+                                        "signal": inject.get("signal", "SIGKILL")}] if inject.get("crash_at_step") else [])
+    marker = inject.get("marker")
+    mine = [(i, e) for i, e in enumerate(events) if e.get("rank", 0) == rank]
+    if not mine or not marker:
         return lambda step: None
 
     def hook(step: int) -> None:
-        if step == step_n and marker and not os.path.exists(marker):
-            open(marker, "w").close()
-            say(f"injected crash at step {step} (rank {rank})")
-            os._exit(1)
+        for i, e in mine:
+            fired = f"{marker}.{i}" if inject.get("events") else marker
+            if step == e["step"] and not os.path.exists(fired):
+                with open(fired, "w") as f:
+                    f.write(str(time.time()))  # when it fired: recovery time is measured from here
+                sig = e.get("signal", "SIGKILL")
+                say(f"injected {sig} at step {step} (rank {rank})")
+                if sig in ("REMOVE_NODE", "DRAIN_NODE"):
+                    # Node-level events are carried out by the chaos harness (scripts/chaos.py) on
+                    # this worker's node; a removed node takes this process with it.
+                    import json
+
+                    import ray
+
+                    with open(fired + ".request", "w") as f:
+                        json.dump({"action": sig, "node_id": ray.get_runtime_context().get_node_id()}, f)
+                    if sig == "REMOVE_NODE":
+                        time.sleep(300)
+                else:
+                    os.kill(os.getpid(), getattr(signal, sig))
 
     return hook
 
 
-def _write_summary(cfg: Config, log: RunLog, state: ckpt.TrainState, last_ckpt, n_params: int) -> None:
+def _write_summary(cfg: Config, log: RunLog, state: ckpt.TrainState, last_ckpt, n_params: int,
+                   extra: dict | None = None) -> None:
     import json
 
     from raytrain import storage
@@ -223,6 +297,8 @@ def _write_summary(cfg: Config, log: RunLog, state: ckpt.TrainState, last_ckpt, 
         "wall_s": round(time.time() - log.t_start, 2),
         "restarts": state.restarts,
         "checkpoint": storage.join(cfg.run_uri, last_ckpt) if last_ckpt else None,
+        "mfu": log.last("mfu"),
+        **(extra or {}),  # health: rollbacks, violations per rule
     }
     log.sync()
     storage.write_text(storage.join(cfg.run_uri, SUMMARY), json.dumps(summary, indent=1))

@@ -20,6 +20,7 @@ from raytrain import storage
 
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
+ATTEMPTS = "attempts.jsonl"  # one line per (re)start of the run: where it resumed and how long it took
 
 
 def say(msg: str) -> None:
@@ -32,6 +33,37 @@ def _fmt(v: Any) -> Any:
     if isinstance(v, float):
         return v if math.isfinite(v) else str(v)
     return v
+
+
+def _duration(s: float) -> str:
+    s = int(s)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+def progress_line(rec: dict, max_steps: int, start_step: int, elapsed: float, tty: bool = False) -> str:
+    step = rec["step"]
+    done = step - start_step
+    eta = elapsed / done * (max_steps - step) if done > 0 else float("nan")
+    parts = [f"step {step}/{max_steps}"]
+    if tty:
+        # A plain-text bar (tqdm style) only on a terminal; log files get the bare line.
+        filled = int(20 * step / max(1, max_steps))
+        parts[0] = f"[{'#' * filled}{'.' * (20 - filled)}] {parts[0]}"
+    if isinstance(rec.get("loss"), (int, float)):
+        parts.append(f"loss {rec['loss']:.4f}")
+        if isinstance(rec.get("ppl"), (int, float)):
+            parts.append(f"ppl {rec['ppl']:.2f}")
+    if "val_loss" in rec:
+        parts.append(f"val_loss {rec['val_loss']:.4f} val_ppl {rec['val_ppl']:.2f}")
+    if "lr" in rec:
+        parts.append(f"lr {rec['lr']:.2e}")
+    if "tokens_per_s" in rec:
+        parts.append(f"{rec['tokens_per_s']:.0f} tok/s")
+    if isinstance(rec.get("mfu"), (int, float)):
+        parts.append(f"MFU {rec['mfu']:.1%}")
+    if math.isfinite(eta):
+        parts.append(f"ETA {_duration(eta)}")
+    return " | ".join(parts)
 
 
 class RunLog:
@@ -60,7 +92,8 @@ class RunLog:
     def write(self, rec: dict, sync: Optional[bool] = None) -> None:
         if not self.enabled:
             return
-        rec = {k: _fmt(v) for k, v in rec.items()}
+        # Wall-clock time on every line: recovery time after a failure is read off these.
+        rec = {**{k: _fmt(v) for k, v in rec.items()}, "time": round(time.time(), 3)}
         self.history.append(rec)
         with open(self._local, "a") as f:
             f.write(json.dumps(rec) + "\n")
@@ -71,26 +104,21 @@ class RunLog:
         if self.enabled:
             storage.upload_file(self._local, storage.join(self.run_uri, METRICS))
 
-    def console(self, rec: dict) -> None:
-        """One compact line per log step; the ETA is from this session's own pace."""
+    def rewind(self, step: int) -> None:
+        """After a rollback to `step`: the records past it describe work that is about to be redone."""
         if not self.enabled:
             return
-        step = rec["step"]
-        done = step - self.start_step
-        elapsed = time.time() - self.t_start
-        eta = elapsed / done * (self.max_steps - step) if done > 0 else float("nan")
-        parts = [f"step {step}/{self.max_steps}"]
-        if "loss" in rec:
-            parts.append(f"loss {rec['loss']:.4f}")
-        if "val_loss" in rec:
-            parts.append(f"val_loss {rec['val_loss']:.4f} val_ppl {rec['val_ppl']:.2f}")
-        if "lr" in rec:
-            parts.append(f"lr {rec['lr']:.2e}")
-        if "tokens_per_s" in rec:
-            parts.append(f"{rec['tokens_per_s']:.0f} tok/s")
-        if math.isfinite(eta):
-            parts.append(f"eta {eta:.0f}s")
-        say(" | ".join(parts))
+        self.history = [r for r in self.history if r.get("step", 0) <= step]
+        with open(self._local, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in self.history)
+        self.sync()
+
+    def console(self, rec: dict) -> None:
+        """One compact line per log step (step/total, loss, ppl, tokens/s, MFU, ETA); on a terminal a
+        progress bar leads it. The ETA is from this session's own pace."""
+        if not self.enabled:
+            return
+        say(progress_line(rec, self.max_steps, self.start_step, time.time() - self.t_start, sys.stdout.isatty()))
 
     def last(self, key: str) -> Optional[float]:
         for rec in reversed(self.history):
@@ -108,3 +136,10 @@ class RunLog:
 def read_summary(run_uri: str) -> Optional[dict]:
     uri = storage.join(run_uri, SUMMARY)
     return json.loads(storage.read_text(uri)) if storage.exists(uri) else None
+
+
+def record_attempt(run_uri: str, rec: dict) -> None:
+    """Append one line to the run's attempts.jsonl (rank 0, once per attempt; small, so rewritten whole)."""
+    uri = storage.join(run_uri, ATTEMPTS)
+    old = storage.read_text(uri) if storage.exists(uri) else ""
+    storage.write_text(uri, old + json.dumps(rec) + "\n")
