@@ -1,0 +1,188 @@
+"""Cluster configs stay valid and pinned: every cluster/*.yaml against Ray's own launcher schema (shipped
+in the ray wheel), the KubeRay manifests against the vendored CRDs' openAPIV3Schema, and every Ray /
+DeepSpeed / torch version named in cluster/ equal to the pins in pyproject.toml. Fast: no cluster starts.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+CLUSTER = ROOT / "cluster"
+CRDS = CLUSTER / "kuberay" / "crds"
+LAUNCHER_CONFIGS = sorted(CLUSTER.glob("*.yaml"))
+KUBERAY = {"raycluster.yaml": "ray.io_rayclusters.yaml", "rayjob.yaml": "ray.io_rayjobs.yaml"}
+# Every file in cluster/ that names versions: configs, manifests, the image recipe.
+VERSIONED = LAUNCHER_CONFIGS + [CLUSTER / "kuberay" / n for n in KUBERAY] + [CLUSTER / "kuberay" / "Dockerfile"]
+
+
+def _pins() -> dict[str, str]:
+    """{'ray': '==2.60.0', 'deepspeed': '==0.19.8', 'torch': '>=2.13,<2.15'} from pyproject.toml."""
+    import tomllib
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    out = {}
+    for dep in deps:
+        m = re.match(r"^([A-Za-z0-9_.\-]+)(\[[^\]]*\])?\s*(.*)$", dep)
+        out[m.group(1).lower()] = m.group(3).replace(" ", "")
+    return out
+
+
+def _ray_schema() -> dict:
+    import ray.autoscaler
+
+    return json.loads((Path(ray.autoscaler.__file__).parent / "ray-schema.json").read_text())
+
+
+@functools.lru_cache(maxsize=None)
+def _crd_schema(crd_file: str, version: str) -> dict:
+    # The CRDs are ~1 MB each: parse them once, with libyaml where present.
+    crd = yaml.load((CRDS / crd_file).read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    for v in crd["spec"]["versions"]:
+        if v["name"] == version:
+            return v["schema"]["openAPIV3Schema"]
+    raise AssertionError(f"{crd_file} has no version {version}")
+
+
+def test_the_expected_configs_exist():
+    names = {p.name for p in LAUNCHER_CONFIGS}
+    assert {"aws-spot.yaml", "gcp-spot.yaml", "local-fake.yaml"} <= names, names
+    for f in VERSIONED:
+        assert f.is_file(), f
+
+
+@pytest.mark.parametrize("path", LAUNCHER_CONFIGS, ids=lambda p: p.name)
+def test_launcher_config_matches_rays_schema(path):
+    cfg = yaml.safe_load(path.read_text())
+    jsonschema.validate(cfg, _ray_schema())
+    # What the schema cannot say but `ray up` needs: the head type exists, worker types have bounds.
+    types = cfg["available_node_types"]
+    assert cfg["head_node_type"] in types
+    for name, t in types.items():
+        if name != cfg["head_node_type"]:
+            assert 0 <= t.get("min_workers", 0) <= t["max_workers"] <= cfg["max_workers"], name
+
+
+@pytest.mark.parametrize("path", [p for p in LAUNCHER_CONFIGS if p.name != "local-fake.yaml"], ids=lambda p: p.name)
+def test_cloud_configs_are_spot_clusters_with_closed_dashboard(path):
+    text = path.read_text()
+    cfg = yaml.safe_load(text)
+    types = cfg["available_node_types"]
+    head = types[cfg["head_node_type"]]
+    workers = {n: t for n, t in types.items() if n != cfg["head_node_type"]}
+    spot = [n for n, t in workers.items() if t["resources"].get("spot")]
+    ondemand = [n for n, t in workers.items() if t["resources"].get("ondemand")]
+    assert len(spot) >= 2 and len(ondemand) >= 1, (spot, ondemand)
+    assert all(workers[n]["min_workers"] == 0 for n in spot), "spot workers scale from zero"
+    assert "spot" not in json.dumps(head["node_config"]).lower().replace("spot-", ""), "the head is on-demand"
+    assert cfg["idle_timeout_minutes"] > 0
+    assert "--dashboard-host=0.0.0.0" not in text and "--dashboard-host=127.0.0.1" in text
+    assert "RAY_AUTH_MODE=token" in text
+    if cfg["provider"]["type"] == "aws":
+        for n in spot:
+            assert workers[n]["node_config"]["InstanceMarketOptions"]["MarketType"] == "spot"
+        assert len({workers[n]["node_config"]["InstanceType"] for n in spot}) >= 2
+        rules = cfg["provider"]["security_group"]["IpPermissions"]
+        assert [(r["FromPort"], r["ToPort"]) for r in rules] == [(22, 22)], "only SSH is open"
+        assert all(ip["CidrIp"] != "0.0.0.0/0" for r in rules for ip in r["IpRanges"])
+        assert "IamInstanceProfile" in head["node_config"]
+    else:
+        for n in spot:
+            assert workers[n]["node_config"]["scheduling"]["provisioningModel"] == "SPOT"
+
+
+def test_local_fake_config_has_a_spot_type_that_scales_from_zero():
+    cfg = yaml.safe_load((CLUSTER / "local-fake.yaml").read_text())
+    assert cfg["provider"]["type"] == "fake_multinode"
+    assert cfg["head_node_type"] == "ray.head.default"  # the name the fake provider gives its head
+    spot = cfg["available_node_types"]["spot"]
+    assert spot["min_workers"] == 0 and spot["max_workers"] >= 2 and spot["resources"]["spot"] == 1
+    assert "spot" not in cfg["available_node_types"]["ray.head.default"]["resources"]
+
+
+def test_iam_policies_are_least_privilege():
+    worker = json.loads((CLUSTER / "iam" / "raytrain-worker-s3-policy.json").read_text())
+    head = json.loads((CLUSTER / "iam" / "raytrain-head-policy.json").read_text())
+    for doc in (worker, head):
+        for st in doc["Statement"]:
+            actions = st["Action"] if isinstance(st["Action"], list) else [st["Action"]]
+            assert not any(a.endswith("*") for a in actions), st  # no s3:* / ec2:* wildcards
+    for st in worker["Statement"]:
+        assert all(a.startswith("s3:") for a in st["Action"]), st
+        res = st["Resource"] if isinstance(st["Resource"], list) else [st["Resource"]]
+        assert all(r.startswith("arn:aws:s3:::YOUR-BUCKET") for r in res), st
+    passrole = [st for st in head["Statement"] if "iam:PassRole" in st["Action"]]
+    assert passrole and all("*" not in r for st in passrole for r in st["Resource"])
+
+
+@pytest.mark.parametrize("manifest", sorted(KUBERAY), ids=str)
+def test_kuberay_manifest_matches_crd(manifest):
+    doc = yaml.safe_load((CLUSTER / "kuberay" / manifest).read_text())
+    api, version = doc["apiVersion"].split("/")
+    assert api == "ray.io"
+    jsonschema.validate(doc, _crd_schema(KUBERAY[manifest], version))
+    spec = doc["spec"] if doc["kind"] == "RayCluster" else doc["spec"]["rayClusterSpec"]
+    assert spec["enableInTreeAutoscaling"] is True and spec["authOptions"]["mode"] == "token"
+    spot_groups = [g for g in spec["workerGroupSpecs"] if g.get("resources", {}).get("spot")]
+    assert spot_groups and all(g["minReplicas"] == 0 for g in spot_groups)
+    for g in spot_groups:
+        pod = g["template"]["spec"]
+        assert pod["nodeSelector"]["cloud.google.com/gke-spot"] == "true"
+        assert any(t["key"] == "cloud.google.com/gke-spot" for t in pod["tolerations"])
+    if doc["kind"] == "RayJob":
+        assert doc["spec"]["entrypoint"].startswith("raytrain train ")
+
+
+def test_kuberay_validation_catches_a_bad_manifest():
+    doc = yaml.safe_load((CLUSTER / "kuberay" / "raycluster.yaml").read_text())
+    doc["spec"]["workerGroupSpecs"][0]["minReplicas"] = "zero"
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(doc, _crd_schema("ray.io_rayclusters.yaml", "v1"))
+
+
+def test_vendored_crds_match_the_shared_copies():
+    shared = ROOT.parent / "shared" / "schemas" / "kuberay"
+    if not shared.is_dir():
+        pytest.skip(f"{shared} is not here (a clean clone); the vendored CRDs are used as they are")
+    for name in KUBERAY.values():
+        assert (CRDS / name).read_bytes() == (shared / name).read_bytes(), name
+
+
+def _versions_named(text: str) -> dict[str, set[str]]:
+    """Every version of ray / deepspeed / torch a config, manifest or Dockerfile names."""
+    found: dict[str, set[str]] = {"ray": set(), "deepspeed": set(), "torch": set()}
+    for m in re.finditer(r"rayproject/ray:(\d+\.\d+\.\d+)", text):
+        found["ray"].add("==" + m.group(1))
+    for m in re.finditer(r"rayVersion:\s*\"?(\d+\.\d+\.\d+)", text):
+        found["ray"].add("==" + m.group(1))
+    for m in re.finditer(r"-ray(\d+\.\d+\.\d+)\b", text):  # our image tags: raytrain:0.1.0-ray2.60.0
+        found["ray"].add("==" + m.group(1))
+    for m in re.finditer(r"[\"'\s](ray|deepspeed|torch)(\[[^\]]*\])?((?:[=<>!~]=?[\w.]+,?)+)", text):
+        found[m.group(1)].add(m.group(3))
+    return found
+
+
+@pytest.mark.parametrize("path", VERSIONED, ids=lambda p: p.name)
+def test_versions_equal_pyproject_pins(path):
+    pins = _pins()
+    named = _versions_named(path.read_text())
+    for pkg, versions in named.items():
+        for v in versions:
+            assert v == pins[pkg], f"{path.name} names {pkg}{v} but pyproject.toml pins {pkg}{pins[pkg]}"
+    if path.name != "local-fake.yaml":  # the fake cluster runs this machine's own .venv
+        assert named["ray"], f"{path.name} names no Ray version"
+
+
+def test_version_check_catches_drift():
+    pins = _pins()
+    assert pins["ray"].startswith("==")
+    drifted = _versions_named('image: rayproject/ray:2.9.3-py311-gpu\n pip install "ray[default]==2.9.3" "deepspeed==0.14.0"')
+    assert drifted["ray"] == {"==2.9.3"} != {pins["ray"]}
+    assert drifted["deepspeed"] == {"==0.14.0"}
