@@ -1,0 +1,138 @@
+"""`raytrain report RUN_URI`: a PNG of loss, perplexity and throughput over steps and a Markdown summary of a run,
+both from its metrics.jsonl and summary.json (local or s3://)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Optional
+
+from raytrain import storage
+from raytrain.errors import UserError
+from raytrain.worker.runlog import METRICS, SUMMARY
+
+
+def load_records(run_uri: str) -> list[dict]:
+    uri = storage.join(run_uri, METRICS)
+    if not storage.exists(uri):
+        raise UserError(f"no {METRICS} in {run_uri}: is it a run directory (<checkpoint.storage>/<run.name>)?")
+    recs = []
+    for line in storage.read_text(uri).splitlines():
+        try:
+            recs.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a torn last line from a crash
+    return recs
+
+
+def _series(recs: list[dict], key: str) -> tuple[list[int], list[float]]:
+    pts = [(r["step"], float(r[key])) for r in recs
+           if isinstance(r.get(key), (int, float)) and math.isfinite(float(r[key]))]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def plot(recs: list[dict], title: str, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(3, 1, figsize=(9, 10), sharex=True)
+    rollbacks = [r for r in recs if r.get("event") == "rollback"]
+    panels = [
+        (axes[0], "loss", [("loss", "train loss", "-"), ("val_loss", "val loss", "o-")], False),
+        (axes[1], "perplexity (log scale)", [("ppl", "train ppl", "-"), ("val_ppl", "val ppl", "o-")], True),
+        (axes[2], "tokens / s", [("tokens_per_s", "tokens/s (whole run)", "-")], False),
+    ]
+    for ax, ylabel, series, log in panels:
+        for key, label, style in series:
+            xs, ys = _series(recs, key)
+            if key == "ppl" and not xs:  # older runs: derive it from the loss
+                xs, ys = _series(recs, "loss")
+                ys = [math.exp(min(v, 50)) for v in ys]
+            if xs:
+                ax.plot(xs, ys, style, label=label, markersize=4)
+        for rb in rollbacks:
+            ax.axvline(rb.get("bad_step", rb["step"]), color="red", linestyle=":", alpha=0.7)
+        if log and ax.lines:
+            ax.set_yscale("log")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+        if ax.lines:
+            ax.legend(loc="best")
+    if rollbacks:
+        axes[0].plot([], [], color="red", linestyle=":", label="rollback (bad step)")
+        axes[0].legend(loc="best")
+    axes[2].set_xlabel("optimizer step")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _f(v, fmt: str) -> str:
+    return format(v, fmt) if isinstance(v, (int, float)) and not isinstance(v, bool) else "-"
+
+
+def markdown(recs: list[dict], summary: Optional[dict], run_uri: str, png_name: str) -> str:
+    s = summary or {}
+    last = lambda k: next((r[k] for r in reversed(recs) if isinstance(r.get(k), (int, float))), None)  # noqa: E731
+    first = lambda k: next((r[k] for r in recs if isinstance(r.get(k), (int, float))), None)  # noqa: E731
+    steps = [r["step"] for r in recs if "loss" in r]
+    tps = [r["tokens_per_s"] for r in recs if isinstance(r.get("tokens_per_s"), (int, float))]
+    steady = tps[1:] or tps
+    lines = [f"# Run report: {s.get('run', os.path.basename(run_uri.rstrip('/')))}", "",
+             f"Run directory: `{run_uri}`" + ("" if summary else " (no summary.json: the run has not finished)"), "",
+             f"![loss, perplexity and throughput]({png_name})", "",
+             "| | |", "| --- | --- |",
+             f"| steps | {s.get('steps', max(steps) if steps else '-')} |",
+             f"| tokens seen | {_f(s.get('tokens_seen', last('tokens_seen')), ',')} |",
+             f"| train loss (first -> last) | {_f(first('loss'), '.4f')} -> {_f(last('loss'), '.4f')} |",
+             f"| val loss / ppl (first -> last) | {_f(first('val_loss'), '.4f')} / {_f(first('val_ppl'), '.2f')} -> "
+             f"{_f(last('val_loss'), '.4f')} / {_f(last('val_ppl'), '.2f')} |",
+             f"| tokens/s (mean after the first window) | {_f(sum(steady) / len(steady) if steady else None, ',.0f')} |",
+             f"| achieved TFLOP/s per worker / MFU | {_f(last('tflops_per_worker'), '.4g')} / {_f(last('mfu'), '.2%')} |",
+             f"| grad norm (last) | {_f(last('grad_norm'), '.3g')} |",
+             f"| host RSS (last, GiB) | {_f(last('host_rss_gb'), '.2f')} |",
+             f"| restarts / preemptions / rollbacks | {_f(s.get('restarts', last('restarts')), 'd')} / "
+             f"{_f(last('preemptions'), 'd')} / {_f(s.get('rollbacks', last('rollbacks')), 'd')} |",
+             f"| wall time | {_f(s.get('wall_s'), '.1f')} s |",
+             f"| final checkpoint | {s.get('checkpoint') or '-'} |", ""]
+    phases = {k[6:-2]: last(k) for k in ("phase_data_wait_s", "phase_forward_backward_s", "phase_optimizer_s",
+                                          "phase_checkpoint_stall_s")}
+    if any(v is not None for v in phases.values()):
+        lines += ["Step time by phase at the last log step: " +
+                  ", ".join(f"{k} {_f(v, '.4f')} s" for k, v in phases.items()), ""]
+    violations = s.get("health_violations") or {}
+    rolled = [r for r in recs if r.get("event") == "rollback"]
+    lines += ["## Health", ""]
+    if not violations and not rolled:
+        lines.append("No health-rule violations.")
+    for rule, n in sorted(violations.items()):
+        lines.append(f"- `{rule}`: {n}x, first: {(s.get('health_first') or {}).get(rule, '')}")
+    for r in rolled:
+        lines.append(f"- rollback at step {r.get('bad_step')} ({r.get('rule')}): back to step {r.get('resumed_from')}, "
+                     f"samples {r['skipped'][0]}..{r['skipped'][1] - 1} skipped")
+    return "\n".join(lines) + "\n"
+
+
+def report(run_uri: str, out: Optional[str] = None) -> tuple[str, str]:
+    """Writes report.png and report.md into `out` (default: the run directory). Returns their URIs."""
+    import tempfile
+
+    run_uri = storage.absolute(run_uri)
+    recs = load_records(run_uri)
+    if not any("loss" in r for r in recs):
+        raise UserError(f"{storage.join(run_uri, METRICS)} has no training steps yet; nothing to plot")
+    sum_uri = storage.join(run_uri, SUMMARY)
+    summary = json.loads(storage.read_text(sum_uri)) if storage.exists(sum_uri) else None
+    out = storage.absolute(out) if out else run_uri
+    png, md = storage.join(out, "report.png"), storage.join(out, "report.md")
+    with tempfile.TemporaryDirectory(prefix="raytrain-report-") as d:
+        local = os.path.join(d, "report.png")
+        name = (summary or {}).get("run") or os.path.basename(run_uri.rstrip("/"))
+        plot(recs, f"raytrain run {name}", local)
+        storage.upload_file(local, png)
+    storage.write_text(md, markdown(recs, summary, run_uri, "report.png"))
+    return png, md

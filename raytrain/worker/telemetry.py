@@ -1,0 +1,254 @@
+"""What the training loop calls at its log steps: phase timers, MFU, memory, the exporters and the health rules,
+and the rollback action. The loop stays "take a batch, step the engine"; everything observed is here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import tempfile
+import time
+from typing import Optional
+
+import torch
+
+from raytrain.config import Config
+from raytrain.errors import UserError
+from raytrain.worker.health import HealthMonitor, Thresholds, Violation
+from raytrain.worker.metrics import PHASES, RayMetrics
+
+# Dense bf16/fp16 tensor-core peak TFLOP/s per device (vendor datasheets, SXM parts where there are two).
+# Matched by substring of torch.cuda.get_device_name(), first match wins; metrics.peak_tflops overrides.
+PEAK_TFLOPS = (
+    ("H200", 989.0), ("H100", 989.0), ("GH200", 989.0), ("B200", 2250.0), ("A100", 312.0), ("A800", 312.0),
+    ("L40S", 362.0), ("L40", 181.0), ("A6000", 155.0), ("L4", 121.0), ("A10G", 70.0), ("A10", 125.0),
+    ("V100", 125.0), ("T4", 65.0), ("MI300X", 1307.0), ("MI250", 362.0),
+)
+
+
+def peak_tflops(cfg: Config, device_name: Optional[str]) -> float:
+    """Peak TFLOP/s of one worker: the override, the table, or the nominal CPU figure."""
+    if cfg.metrics.peak_tflops:
+        return cfg.metrics.peak_tflops
+    if device_name:
+        for key, value in PEAK_TFLOPS:
+            if key.lower() in device_name.lower():
+                return value
+        return 100.0  # an unknown GPU: a round figure; set metrics.peak_tflops for a real MFU
+    return cfg.metrics.cpu_peak_tflops
+
+
+def memory(cuda: bool) -> dict:
+    """Host RSS of this process and, on GPU, allocated / reserved / peak accelerator memory (GiB) and the used
+    fraction of the device (on CPU: of the host), which the memory rule watches."""
+    import psutil
+
+    m = {"host_rss_gb": psutil.Process().memory_info().rss / 2**30}
+    if cuda:
+        free, total = torch.cuda.mem_get_info()
+        m.update({"gpu_mem_alloc_gb": torch.cuda.memory_allocated() / 2**30,
+                  "gpu_mem_reserved_gb": torch.cuda.memory_reserved() / 2**30,
+                  "gpu_mem_peak_gb": torch.cuda.max_memory_allocated() / 2**30,
+                  "memory_used_frac": 1 - free / total})
+    else:
+        m["memory_used_frac"] = psutil.virtual_memory().percent / 100
+    return m
+
+
+class PhaseTimer:
+    """Seconds per phase since the last log step. On GPU it synchronises at phase ends, so the time of
+    asynchronous kernels is charged to the phase that launched them."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.total = dict.fromkeys(PHASES, 0.0)
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.cuda:
+                torch.cuda.synchronize()
+            self.total[phase] += time.perf_counter() - t
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.total[phase] += seconds
+
+    def take(self, steps: int) -> dict:
+        out = {f"phase_{p}_s": v / max(1, steps) for p, v in self.total.items()}
+        self.total = dict.fromkeys(PHASES, 0.0)
+        return out
+
+
+class TensorBoard:
+    """Rank 0's event files in <run>/tensorboard/ (written locally, copied to object storage at syncs)."""
+
+    def __init__(self, run_uri: str):
+        from tensorboardX import SummaryWriter
+
+        from raytrain import storage
+
+        self.run_uri, self.remote = run_uri, storage.is_remote(run_uri)
+        self.dir = tempfile.mkdtemp(prefix="raytrain-tb-") if self.remote else \
+            storage.resolve(storage.join(run_uri, "tensorboard"))[1]
+        os.makedirs(self.dir, exist_ok=True)
+        self.writer = SummaryWriter(self.dir, flush_secs=5)
+
+    def write(self, rec: dict) -> None:
+        step = rec["step"]
+        for k, v in rec.items():
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                self.writer.add_scalar(k, v, step)
+
+    def sync(self) -> None:
+        from raytrain import storage
+
+        self.writer.flush()
+        if self.remote:
+            for name in os.listdir(self.dir):
+                storage.upload_file(os.path.join(self.dir, name), storage.join(self.run_uri, "tensorboard", name))
+
+    def close(self) -> None:
+        self.sync()
+        self.writer.close()
+
+
+class Telemetry:
+    def __init__(self, cfg: Config, rank: int, world: int, cuda: bool, flops_per_token: float, log=print):
+        self.cfg, self.rank, self.world, self.cuda, self.fpt = cfg, rank, world, cuda, flops_per_token
+        self.peak = peak_tflops(cfg, torch.cuda.get_device_name() if cuda else None)
+        self.metrics = RayMetrics(cfg.run.name, rank, enabled=cfg.metrics.prometheus)
+        self.tb = TensorBoard(cfg.run_uri) if (cfg.metrics.tensorboard and rank == 0) else None
+        self.timer = PhaseTimer(cuda)
+        self.checkpoints = 0
+        self.rollbacks = 0
+        self.rolled_back: list[dict] = []  # {"step", "resumed_from", "skipped": [start, end), "rule"}
+        self.health = HealthMonitor(Thresholds.resolve(cfg.health, cuda), cfg.health.on_bad_loss, cfg.health.enabled,
+                                    log=log if rank == 0 else (lambda msg: None),
+                                    count=lambda rule: self.metrics.count("raytrain_health_violations_total",
+                                                                          rule=rule))
+
+    def checkpoint_saved(self, seconds: float) -> None:
+        self.checkpoints += 1
+        self.timer.add("checkpoint_stall", seconds)
+        self.metrics.count("raytrain_checkpoints_total")
+
+    def log_step(self, rec: dict, state, steps: int, seconds: float) -> dict:
+        """The keys a log step adds to its record: MFU, perplexity, step time and its phases, memory, counters."""
+        add = {"max_steps": self.cfg.run.max_steps, "step_time_s": seconds / max(1, steps),
+               **self.timer.take(steps), **memory(self.cuda),
+               "restarts": state.restarts, "preemptions": getattr(state, "preemptions", 0),
+               "rollbacks": self.rollbacks, "checkpoints": self.checkpoints}
+        if isinstance(rec.get("loss"), (int, float)) and math.isfinite(rec["loss"]):
+            add["ppl"] = math.exp(min(rec["loss"], 50.0))
+        if isinstance(rec.get("tflops_per_worker"), (int, float)):
+            add["mfu"] = rec["tflops_per_worker"] / self.peak
+        return add
+
+    def observe(self, rec: dict, sync: bool = False) -> None:
+        """A finished record (log and/or eval step): warning rules, then Prometheus and TensorBoard."""
+        self.health.check_log(rec)
+        self.metrics.record(rec)
+        if self.tb:
+            self.tb.write(rec)
+            if sync:
+                self.tb.sync()
+
+    def summary(self) -> dict:
+        return {"rollbacks": self.rollbacks, "rolled_back": self.rolled_back, "checkpoints_saved": self.checkpoints,
+                "health_violations": dict(self.health.counts), "health_first": dict(self.health.first)}
+
+    def close(self) -> None:
+        self.metrics.close()
+        if self.tb:
+            self.tb.close()
+
+
+def nan_hook(inject: dict, rank: int, global_batch: int):
+    """Fault injection: `inject = {"nan_at_step": N, "rank": r}` makes the loss NaN on the batch that step N of
+    an uninterrupted run trains on. It is tied to the data position, like real bad data: once that window
+    is skipped it never comes back."""
+    step_n = inject.get("nan_at_step")
+    if not step_n or rank != inject.get("rank", 0):
+        return lambda position, loss: loss
+    bad = (step_n - 1) * global_batch
+
+    def hook(position: int, loss: torch.Tensor) -> torch.Tensor:
+        return loss * float("nan") if position == bad else loss
+
+    return hook
+
+
+@contextlib.contextmanager
+def oom_guard(cfg: Config, world: int, cuda: bool):
+    """An accelerator out-of-memory becomes one line with the sizes involved and a smaller setting to try."""
+    try:
+        yield
+    except torch.OutOfMemoryError:
+        from raytrain.worker.health import oom_message
+
+        mem = memory(cuda) if cuda else None
+        raise UserError(oom_message(cfg, world, mem)) from None
+
+
+def rollback(v: Violation, tel: Telemetry, engine, state, stream, run_uri: str, global_batch: int):
+    """The action for a NaN/inf or spiking loss (collective: every rank calls it at the same step).
+
+    Restores the engine (weights, optimizer, schedule) and RNG from the newest complete checkpoint and
+    keeps the data position *after* the offending batch (plus health.skip_batches - 1 more): the steps
+    since the checkpoint are trained again, on the data that follows the bad window, so the window from
+    the checkpoint's position to past the bad batch is never trained on. Returns the new
+    TrainState. Stops the run with a report when rollbacks exceed health.max_rollbacks or there is no
+    checkpoint to go back to.
+    """
+    from raytrain.worker import checkpoint as ckpt
+
+    h = tel.cfg.health
+    # Called right after the bad step, before its batch is counted: the stream is already past it.
+    bad_start, bad_step = state.samples_seen, state.step
+    if v.action == "stop" or tel.rollbacks >= h.max_rollbacks:
+        why = ("health.on_bad_loss=stop" if v.action == "stop" else
+               f"{tel.rollbacks} rollbacks already (health.max_rollbacks={h.max_rollbacks})")
+        stop(tel, run_uri, f"{v.message}; {why}")
+    resumed = ckpt.find_resume_point(run_uri, tel.rank)
+    if resumed is None:
+        stop(tel, run_uri, f"{v.message} before the first complete checkpoint, nothing to roll back to; "
+                           f"lower optim.lr or checkpoint earlier (checkpoint.every_n_steps)")
+    restored = ckpt.restore(engine, resumed, tel.rank, tel.world)
+    skip_extra = (h.skip_batches - 1) * global_batch
+    if skip_extra:
+        stream.take(skip_extra)
+    # Counters other than the position keep counting (restarts, preemptions, ...): only the training
+    # progress goes back to the checkpoint.
+    new = dataclasses.replace(state, step=restored.step, tokens_seen=restored.tokens_seen,
+                              samples_seen=stream.position)
+    tel.rollbacks += 1
+    # Skipped: everything from the checkpoint's position on, up to and past the bad batch (as PaLM did
+    # for loss spikes): the updates made from that window are gone with the rollback.
+    tel.rolled_back.append({"bad_step": bad_step, "resumed_from": restored.step, "rule": v.rule,
+                            "bad_batch": [bad_start, bad_start + global_batch],
+                            "skipped": [restored.samples_seen, new.samples_seen]})
+    tel.health.restarted()
+    if tel.rank == 0:
+        from raytrain.worker.runlog import say
+
+        say(f"rollback {tel.rollbacks}/{h.max_rollbacks}: {v.message}; back to step {restored.step}, skipping "
+            f"samples {restored.samples_seen}..{new.samples_seen - 1} of the data stream (bad batch from {bad_start})")
+    return new
+
+
+def stop(tel: Telemetry, run_uri: str, reason: str) -> None:
+    """End the run with a health report (<run>/health.json) and one line saying why and what to do."""
+    import json
+
+    from raytrain import storage
+
+    if tel.rank == 0:
+        report = {"reason": reason, **tel.summary(), "history": dataclasses.asdict(tel.health.history)}
+        storage.write_text(storage.join(run_uri, "health.json"), json.dumps(report, indent=1))
+    raise UserError(f"training stopped by the health rules: {reason} (report: {storage.join(run_uri, 'health.json')})")
+

@@ -1,0 +1,177 @@
+"""Health rules: thresholds, once-only logging with advice, counting, actions; the OOM message; and end to end,
+an injected NaN loss rolled back to the last checkpoint with its data window skipped."""
+
+import json
+import math
+
+import pytest
+
+from raytrain.config import load_config
+from raytrain.worker.health import (CPU_DEFAULTS, GPU_DEFAULTS, HealthMonitor, LossSpike, Memory, Thresholds,
+                                    oom_message)
+from raytrain.worker.telemetry import peak_tflops
+
+
+def _monitor(*overrides, gpu=False, clock=None):
+    cfg = load_config("tiny", list(overrides))
+    logged, counted = [], []
+    kw = {"clock": clock} if clock else {}
+    mon = HealthMonitor(Thresholds.resolve(cfg.health, gpu), cfg.health.on_bad_loss, log=logged.append,
+                        count=counted.append, **kw)
+    return mon, logged, counted
+
+
+def test_cpu_and_gpu_defaults_and_overrides():
+    cfg = load_config("tiny", [])
+    assert Thresholds.resolve(cfg.health, True).grad_norm_max == GPU_DEFAULTS["grad_norm_max"] == 1.0
+    assert Thresholds.resolve(cfg.health, True).min_tflops_per_worker == 0.8
+    assert Thresholds.resolve(cfg.health, False).grad_norm_max == CPU_DEFAULTS["grad_norm_max"]
+    cfg = load_config("tiny", ["health.grad_norm_max=2.5", "health.min_tflops_per_worker=0.3"])
+    th = Thresholds.resolve(cfg.health, True)
+    assert (th.grad_norm_max, th.min_tflops_per_worker) == (2.5, 0.3)
+
+
+def test_nan_loss_asks_for_rollback_at_once():
+    mon, logged, counted = _monitor()
+    assert mon.check_step(1, 3.0) is None
+    v = mon.check_step(2, float("nan"))
+    assert v.rule == "loss_not_finite" and v.action == "rollback"
+    assert mon.check_step(3, float("inf")).action == "rollback"
+    assert counted == ["loss_not_finite", "loss_not_finite"] and len(logged) == 1  # logged once, counted twice
+    mon2, _, _ = _monitor("health.on_bad_loss=stop")
+    assert mon2.check_step(1, float("nan")).action == "stop"
+
+
+def test_loss_spike_z_score():
+    spike = LossSpike(zscore=4.0, window=20, grace=0)
+    for i in range(20):
+        assert spike.check_step(i, 2.0 + 0.01 * (i % 3)) is None
+    assert spike.check_step(21, 2.03) is None  # within noise
+    v = spike.check_step(22, 3.0)
+    assert v is not None and v.rule == "loss_spike" and "standard deviations" in v.message
+    assert 3.0 not in spike.recent  # the spike does not become the new normal
+    falling = LossSpike(zscore=4.0, window=20, grace=0)
+    assert all(falling.check_step(i, 5.0 / (1 + i)) is None for i in range(40))  # a falling loss never spikes
+    grace = LossSpike(zscore=4.0, window=20, grace=30)
+    assert all(grace.check_step(i, 2.0 + 0.01 * (i % 3)) is None for i in range(25))
+    assert grace.check_step(26, 9.0) is None  # still in the warm-up after a (re)start
+
+
+def test_grad_norm_rule_fires_above_threshold_logs_once_and_counts():
+    mon, logged, counted = _monitor("health.grad_norm_max=1.0", "health.grace_steps=0")
+    mon.check_step(1, 2.0)
+    assert mon.check_log({"step": 1, "grad_norm": 0.5, "lr": 1e-3, "loss": 2.0}) == []
+    v = mon.check_log({"step": 2, "grad_norm": 3.5, "lr": 1e-3, "loss": 2.0})
+    assert [x.rule for x in v] == ["grad_norm"] and "3.5 > 1" in v[0].message
+    mon.check_log({"step": 3, "grad_norm": 4.0, "lr": 1e-3, "loss": 2.0})
+    assert counted == ["grad_norm", "grad_norm"] and mon.counts == {"grad_norm": 2}
+    assert len(logged) == 1 and "learning rate applied" in logged[0] and "2:1.00e-03" in logged[0]
+    low = mon.check_log({"step": 4, "grad_norm": 1e-7})
+    assert low and "< 1e-05" in low[0].message
+
+
+def test_throughput_rule_fires_below_threshold_after_warmup():
+    mon, logged, _ = _monitor("health.min_tflops_per_worker=0.8", "health.grace_steps=2")
+    for s in range(1, 4):
+        mon.check_step(s, 2.0)
+        found = mon.check_log({"step": s, "tflops_per_worker": 0.5, "data_wait_frac": 0.5})
+        assert bool(found) == (s > 2), s  # the warm-up window is not judged
+    assert "data wait is 50%" in logged[0]
+    assert mon.check_log({"step": 4, "tflops_per_worker": 1.2}) == []
+
+
+def test_memory_rule_needs_sustained_pressure():
+    now = [0.0]
+    rule = Memory(0.95, 5.0, clock=lambda: now[0])
+    assert rule.check({"step": 1, "memory_used_frac": 0.97}, 99, None) is None
+    now[0] = 200
+    assert rule.check({"step": 2, "memory_used_frac": 0.96}, 99, None) is None
+    now[0] = 250
+    assert rule.check({"step": 3, "memory_used_frac": 0.50}, 99, None) is None  # dropped: the clock restarts
+    now[0] = 260
+    rule.check({"step": 4, "memory_used_frac": 0.99}, 99, None)
+    now[0] = 260 + 301
+    v = rule.check({"step": 5, "memory_used_frac": 0.99}, 99, None)
+    assert v is not None and "activation_checkpointing" in v.advice
+
+
+def test_no_improvement_over_three_evaluations():
+    mon, logged, _ = _monitor()
+    fired = [bool(mon.check_log({"step": s, "val_loss": v, "loss": 1.0}))
+             for s, v in ((100, 3.0), (200, 2.5), (300, 2.6), (400, 2.55), (500, 2.7))]
+    assert fired == [False, False, False, False, True]
+    assert "not improved for 3 evaluations" in logged[0] and "train loss 1.0000 vs val loss" in logged[0]
+    assert "raytrain data compare" in logged[0]  # val far above train: suggest the drift check
+
+
+def test_oom_message_names_sizes_and_a_smaller_setting():
+    cfg = load_config("tiny", ["batch.micro_batch_size=8", "deepspeed.zero_stage=2"])
+    msg = oom_message(cfg, 2, {"gpu_mem_alloc_gb": 78.5, "gpu_mem_peak_gb": 79.9})
+    assert "micro_batch 8 x seq_len 128 = 1024 tokens" in msg and "ZeRO-2" in msg
+    assert "batch.micro_batch_size=4 batch.gradient_accumulation_steps=2 (same global batch 16)" in msg
+    assert "model.activation_checkpointing=true" in msg and "deepspeed.zero_stage=3" in msg
+    assert "gpu_mem_peak_gb 79.90" in msg and "\n" not in msg
+    cfg = load_config("tiny", ["batch.micro_batch_size=1", "model.activation_checkpointing=true",
+                               "deepspeed.zero_stage=3", "deepspeed.offload_optimizer=cpu"])
+    assert "deepspeed.offload_param=cpu" in oom_message(cfg, 2)
+
+
+def test_peak_table_and_override():
+    cfg = load_config("tiny", [])
+    assert peak_tflops(cfg, "NVIDIA H200") == 989.0 and peak_tflops(cfg, "NVIDIA A100-SXM4-80GB") == 312.0
+    assert peak_tflops(cfg, None) == cfg.metrics.cpu_peak_tflops
+    assert peak_tflops(load_config("tiny", ["metrics.peak_tflops=500"]), "NVIDIA H100") == 500.0
+
+
+@pytest.mark.slow
+def test_injected_nan_rolls_back_and_skips_the_window(ray_cluster, tiny_data, tmp_path):
+    """NaN on the batch of step 7: back to checkpoint 4, that batch skipped, the run finishes with finite losses."""
+    from raytrain import storage
+    from raytrain.trainer import train
+    from tests.conftest import tiny_cfg
+
+    cfg = tiny_cfg(tiny_data, tmp_path, "nanrun", "run.max_steps=10", "checkpoint.every_n_steps=4",
+                   "metrics.tensorboard=true", "metrics.prometheus=false")
+    gb = cfg.global_batch
+    summary = train(cfg, log=lambda *_: None, inject={"nan_at_step": 7, "rank": 1})
+    recs = [json.loads(x) for x in storage.read_text(storage.join(cfg.run_uri, "metrics.jsonl")).splitlines()]
+    losses = {r["step"]: r["loss"] for r in recs if "loss" in r}
+    assert sorted(losses) == list(range(1, 11)), "a step is missing or logged twice"
+    assert all(math.isfinite(v) for v in losses.values()), losses
+    events = [r for r in recs if r.get("event") == "rollback"]
+    assert events == [{"step": 4, "event": "rollback", "bad_step": 7, "resumed_from": 4, "rule": "loss_not_finite",
+                       "bad_batch": [6 * gb, 7 * gb], "skipped": [4 * gb, 7 * gb]}]
+    assert summary["rollbacks"] == 1 and summary["health_violations"]["loss_not_finite"] == 1
+    # The data position carries the skipped window: 10 steps trained, 13 batches consumed.
+    state = json.loads((tmp_path / "nanrun" / "checkpoint_00000010" / "raytrain_state.json").read_text())
+    assert state["step"] == 10 and state["samples_seen"] == 13 * gb and state["tokens_seen"] == 10 * gb * 32
+    # TensorBoard event files hold the same losses.
+    from tensorboardX.proto import event_pb2
+
+    tb = list((tmp_path / "nanrun" / "tensorboard").glob("events.out.tfevents.*"))
+    assert tb, "no TensorBoard event file"
+    scalars = {}
+    for path in tb:
+        data = path.read_bytes()
+        i = 0
+        while i < len(data):
+            n = int.from_bytes(data[i:i + 8], "little")
+            ev = event_pb2.Event.FromString(data[i + 12:i + 12 + n])
+            i += 12 + n + 4
+            for v in ev.summary.value:
+                scalars.setdefault(v.tag, {})[ev.step] = v.simple_value
+    assert scalars["loss"][10] == pytest.approx(losses[10], rel=1e-5) and 10 in scalars["tokens_per_s"]
+
+
+@pytest.mark.slow
+def test_repeated_violations_stop_the_run_with_a_report(ray_cluster, tiny_data, tmp_path):
+    from raytrain.errors import UserError
+    from raytrain.trainer import train
+    from tests.conftest import tiny_cfg
+
+    cfg = tiny_cfg(tiny_data, tmp_path, "stop", "run.max_steps=6", "checkpoint.every_n_steps=2",
+                   "health.max_rollbacks=0", "metrics.prometheus=false")
+    with pytest.raises(UserError, match=r"stopped by the health rules: loss is nan at step 3; 0 rollbacks already"):
+        train(cfg, log=lambda *_: None, inject={"nan_at_step": 3})
+    report = json.loads((tmp_path / "stop" / "health.json").read_text())
+    assert report["health_violations"] == {"loss_not_finite": 1} and report["history"]["loss"]

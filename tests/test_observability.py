@@ -1,0 +1,106 @@
+"""The repo's alerting rules pass promtool, the Grafana dashboard only queries metrics raytrain exports,
+and `raytrain report` draws a readable PNG and a Markdown summary."""
+
+import json
+import math
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from raytrain.cli import main
+from raytrain.worker.metrics import CATALOGUE
+from tests.test_prometheus import ensure_prometheus
+
+OBS = Path(__file__).resolve().parent.parent / "observability"
+
+
+def _metric_names(expr: str) -> set[str]:
+    return set(re.findall(r"\braytrain_[a-zA-Z0-9_]*", expr))
+
+
+def test_alert_rules_pass_promtool_and_name_exported_metrics():
+    _, promtool = ensure_prometheus()
+    out = subprocess.run([promtool, "check", "rules", str(OBS / "alerts.yml")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "SUCCESS: 10 rules found" in out.stdout
+    import yaml
+
+    rules = yaml.safe_load((OBS / "alerts.yml").read_text())["groups"][0]["rules"]
+    for r in rules:
+        names = _metric_names(r["expr"])
+        assert names and names <= set(CATALOGUE), (r["alert"], names - set(CATALOGUE))
+    # The PRODUCT.md thresholds are what the GPU rules say.
+    exprs = {r["alert"]: r["expr"] for r in rules}
+    assert "< 0.8e12" in exprs["RaytrainLowThroughput"] and "> 1" in exprs["RaytrainGradNormHigh"]
+    assert "< 1e-5" in exprs["RaytrainGradNormLow"] and ">= 0.95" in exprs["RaytrainMemoryHigh"]
+
+
+def test_scrape_config_is_valid_and_strips_rays_prefix(tmp_path):
+    _, promtool = ensure_prometheus()
+    # promtool resolves rule_files relative to the config, and file_sd files need not exist.
+    out = subprocess.run([promtool, "check", "config", str(OBS / "prometheus.yml")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    text = (OBS / "prometheus.yml").read_text()
+    assert 'regex: "ray_(raytrain_.*)"' in text
+
+
+def test_dashboard_panels_query_exported_metrics():
+    dash = json.loads((OBS / "grafana-dashboard.json").read_text())
+    titles = [p["title"] for p in dash["panels"]]
+    for want in ("Loss", "Perplexity", "Tokens/s", "MFU", "Gradient norm", "Memory", "Restarts"):
+        assert any(t.startswith(want) for t in titles), want
+    used = set()
+    for p in dash["panels"]:
+        assert p["targets"], p["title"]
+        for t in p["targets"]:
+            names = _metric_names(t["expr"])
+            assert names, (p["title"], t["expr"])
+            assert names <= set(CATALOGUE), (p["title"], names - set(CATALOGUE))
+            used |= names
+    # Every exported series is on the dashboard somewhere.
+    assert used == set(CATALOGUE), set(CATALOGUE) - used
+
+
+def _fake_run(run: Path) -> None:
+    run.mkdir(parents=True)
+    recs = [{"step": 0, "val_loss": 5.6, "val_ppl": 270.4}]
+    for s in range(1, 61):
+        loss = 5.6 * math.exp(-s / 20) + 0.4
+        r = {"step": s, "loss": loss, "ppl": math.exp(loss), "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 5000 + 10 * s,
+             "tflops_per_worker": 0.002, "mfu": 0.02, "tokens_seen": s * 256, "host_rss_gb": 1.2,
+             "phase_data_wait_s": 0.001, "phase_forward_backward_s": 0.02, "phase_optimizer_s": 0.01,
+             "phase_checkpoint_stall_s": 0.0}
+        if s % 20 == 0:
+            r.update(val_loss=loss + 0.1, val_ppl=math.exp(loss + 0.1))
+        recs.append(r)
+    recs.append({"step": 30, "event": "rollback", "bad_step": 33, "resumed_from": 30, "rule": "loss_not_finite",
+                 "bad_batch": [256, 264], "skipped": [240, 264]})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (run / "summary.json").write_text(json.dumps({"run": "fake", "steps": 60, "tokens_seen": 15360, "wall_s": 12.5,
+                                                  "restarts": 0, "rollbacks": 1, "checkpoint": None,
+                                                  "health_violations": {"loss_not_finite": 1},
+                                                  "health_first": {"loss_not_finite": "loss is nan at step 33"}}))
+
+
+def test_report_writes_png_and_markdown(tmp_path, capsys):
+    run = tmp_path / "fake"
+    _fake_run(run)
+    assert main(["report", str(run), "--out", str(tmp_path / "out")]) == 0
+    png, md = tmp_path / "out" / "report.png", tmp_path / "out" / "report.md"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+    from PIL import Image
+
+    assert Image.open(png).size == (990, 1100)  # 9 x 10 inches at 110 dpi: readable, not a thumbnail
+    text = md.read_text()
+    assert "| steps | 60 |" in text and "![loss, perplexity and throughput](report.png)" in text
+    assert "| val loss / ppl (first -> last) | 5.6000 / 270.40 ->" in text
+    assert "rollback at step 33 (loss_not_finite): back to step 30, samples 240..263 skipped" in text
+    assert "`loss_not_finite`: 1x" in text
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_report_errors_are_one_line(tmp_path, capsys):
+    assert main(["report", str(tmp_path / "missing")]) == 2
+    assert "no metrics.jsonl in" in capsys.readouterr().err

@@ -1,0 +1,150 @@
+"""A real Prometheus server scrapes a short training run through Ray's metrics endpoint and finds raytrain_*
+series with sensible values; the repo's scrape config (Ray's `ray_` prefix stripped) and alert rules load.
+
+The run has its own Ray instance in a subprocess (ray.init is per process, and the session's shared
+cluster has no metrics export port), with Ray's metrics report interval at 1 s so a short run is seen.
+"""
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from raytrain.worker.metrics import ACCELERATOR_ONLY, CATALOGUE, PHASES
+from tests.conftest import _free_port
+
+OBS = Path(__file__).resolve().parent.parent / "observability"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def ensure_prometheus() -> tuple[str, str]:
+    """Paths of prometheus and promtool; installs Debian's package when missing, else skips with the reason."""
+    prom, tool = shutil.which("prometheus"), shutil.which("promtool")
+    if prom and tool:
+        return prom, tool
+    if not shutil.which("apt-get") or os.geteuid() != 0:
+        pytest.skip("Prometheus is not installed and cannot be (needs root and apt-get): apt-get install prometheus")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    out = subprocess.run(["apt-get", "install", "-y", "--no-install-recommends", "prometheus"], env=env,
+                         capture_output=True, text=True, timeout=600)
+    prom, tool = shutil.which("prometheus"), shutil.which("promtool")
+    if not (prom and tool):
+        pytest.skip(f"apt-get install prometheus failed: {(out.stderr or out.stdout).strip().splitlines()[-1:]}")
+    return prom, tool
+
+
+CHILD = textwrap.dedent("""
+    import json, os, sys, time
+    os.environ["RAY_metrics_report_interval_ms"] = "1000"
+    import ray
+    from raytrain.config import load_config
+    from raytrain.trainer import train
+    port, overrides = int(sys.argv[1]), json.loads(sys.argv[2])
+    ray.init(address="local", num_cpus=4, include_dashboard=False, _metrics_export_port=port)
+    summary = train(load_config("tiny", overrides), log=lambda *_: None)
+    print("SUMMARY " + json.dumps(summary), flush=True)
+    time.sleep(4)  # the last values reach the agent and one more scrape before the cluster goes
+    ray.shutdown()
+""")
+
+
+def _query(base: str, q: str) -> list[dict]:
+    url = f"{base}/api/v1/query?" + urllib.parse.urlencode({"query": q})
+    with urllib.request.urlopen(url, timeout=10) as r:
+        body = json.loads(r.read())
+    assert body["status"] == "success", body
+    return body["data"]["result"]
+
+
+def _values(base: str, q: str) -> dict[tuple, float]:
+    return {tuple(sorted(r["metric"].items())): float(r["value"][1]) for r in _query(base, q)}
+
+
+@pytest.mark.slow
+def test_prometheus_scrapes_raytrain_series(tiny_data, tmp_path):
+    prom, _ = ensure_prometheus()
+    metrics_port, prom_port = _free_port(), _free_port()
+    # The repo's scrape config, pointed at this run's metrics port on 127.0.0.1 (the service-discovery
+    # file is written by Ray's dashboard, which this small cluster does not run) and scraping every second.
+    cfg = yaml.safe_load((OBS / "prometheus.yml").read_text())
+    cfg["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
+    cfg["rule_files"] = [str(OBS / "alerts.yml")]
+    job = cfg["scrape_configs"][0]
+    del job["file_sd_configs"]
+    job["static_configs"] = [{"targets": [f"127.0.0.1:{metrics_port}"]}]
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(cfg))
+    server = subprocess.Popen([prom, f"--config.file={tmp_path / 'prometheus.yml'}",
+                               f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{prom_port}"],
+                              stdout=subprocess.DEVNULL, stderr=(tmp_path / "prometheus.log").open("w"))
+    base = f"http://127.0.0.1:{prom_port}"
+    try:
+        overrides = [f"data.train={tiny_data}/train", f"data.val={tiny_data}/val", f"checkpoint.storage={tmp_path}",
+                     "run.name=prom", "model.n_layer=1", "model.hidden_size=32", "model.n_head=2", "model.seq_len=32",
+                     "batch.micro_batch_size=4", "optim.lr=3e-3", "optim.warmup_steps=2", "run.log_every=1",
+                     "run.eval_every=10", "data.eval_samples=16", "checkpoint.every_n_steps=10", "run.max_steps=30",
+                     "run.max_failures=0", "scaling.data_cpus=2",
+                     # a threshold every step crosses: the rule fires and its counter reaches Prometheus
+                     "health.grad_norm_max=1e-9", "health.grace_steps=0"]
+        env = {**os.environ, "RAY_TRAIN_ENABLE_PRINT_PATCH": "0", "RAY_USAGE_STATS_ENABLED": "0",
+               "PYTHONPATH": str(ROOT)}
+        child = subprocess.run([sys.executable, "-c", CHILD, str(metrics_port), json.dumps(overrides)], env=env,
+                               capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
+        assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-3000:]
+        summary = json.loads(next(x for x in child.stdout.splitlines() if x.startswith("SUMMARY "))[8:])
+        assert summary["steps"] == 30
+        time.sleep(2)  # the last scrape is ingested
+
+        gb_tokens = 8 * 32  # global batch 8 sequences (2 workers x micro 4) x 32 tokens
+        # Instant queries see only live series; look back over the run instead.
+        seen = {m for m in CATALOGUE if _query(base, f"count_over_time({m}[10m])")}
+        assert seen == set(CATALOGUE) - ACCELERATOR_ONLY, set(CATALOGUE) - ACCELERATOR_ONLY - seen
+        assert not _query(base, 'count_over_time({__name__=~"ray_raytrain_.+"}[10m])')  # the prefix was stripped
+        assert _query(base, 'count_over_time({__name__=~"ray_node_.+"}[10m])')  # next to Ray's own series
+
+        steps = _values(base, "max_over_time(raytrain_step[10m])")
+        assert {dict(k)["worker"] for k in steps} == {"0", "1"} and {dict(k)["run"] for k in steps} == {"prom"}
+        # The last steps' values can be lost with the workers at the end of the run: ask for most of them.
+        assert 25 <= max(steps.values()) <= 30
+        per_step = _values(base, "max_over_time((raytrain_tokens_seen / raytrain_step)[10m:1s])")
+        assert set(per_step.values()) == {gb_tokens}
+        loss = _values(base, 'min_over_time(raytrain_loss{worker="0"}[10m])')
+        first = _values(base, 'max_over_time(raytrain_loss{worker="0"}[10m])')
+        assert 0 < min(loss.values()) < max(first.values()) < math.log(300) + 1  # falls from about ln(vocab)
+        ppl = max(_values(base, "max_over_time(raytrain_val_perplexity[10m])").values())
+        assert 1 < ppl < 400
+        lr = max(_values(base, "max_over_time(raytrain_learning_rate[10m])").values())
+        assert 0 < lr <= 3e-3 * 1.0001
+        tps = max(_values(base, "max_over_time(raytrain_tokens_per_second[10m])").values())
+        assert 100 < tps < 1e7
+        mfu = _values(base, "max_over_time(raytrain_mfu_ratio[10m])")
+        flops = _values(base, "max_over_time(raytrain_achieved_flops_per_second[10m])")
+        for k, v in mfu.items():
+            assert 0 < v < 1 and flops[k] == pytest.approx(v * 0.1e12, rel=1e-6)  # cpu_peak_tflops 0.1
+        phases = _values(base, "max_over_time(raytrain_step_phase_seconds[10m])")
+        assert {dict(k)["phase"] for k in phases} == set(PHASES)
+        assert all(0 <= v < 60 for v in phases.values())
+        rss = _values(base, "max_over_time(raytrain_host_memory_rss_bytes[10m])")
+        assert all(50 * 2**20 < v < 20 * 2**30 for v in rss.values())
+        assert 2 <= max(_values(base, "max_over_time(raytrain_checkpoints_total[10m])").values()) <= 3
+        fired = _values(base, 'max_over_time(raytrain_health_violations_total{rule="grad_norm"}[10m])')
+        assert fired and 25 <= max(fired.values()) <= 30  # every log step crossed the threshold, each counted
+        assert min(_values(base, "max_over_time(raytrain_restarts[10m])").values()) == 0
+
+        with urllib.request.urlopen(f"{base}/api/v1/rules", timeout=10) as r:
+            groups = json.loads(r.read())["data"]["groups"]
+        rules = [x for g in groups for x in g["rules"]]
+        assert len(rules) == 10 and all(x["health"] == "ok" for x in rules), [(x["name"], x.get("lastError")) for x in rules]
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
