@@ -210,6 +210,16 @@ class HealthSection(_Section):
     max_rollbacks: int = Field(3, ge=0, description="rollbacks allowed in one run; one more stops it with a health report")
 
 
+class CostSection(_Section):
+    """Prices for `raytrain cost` (USD per node-hour). Defaults are EXAMPLES: AWS us-west-2 list prices as of 2024
+    (g5.xlarge on-demand 1.006, a typical g5.xlarge spot price, m5.2xlarge head); set your own."""
+
+    spot_per_hour: float = Field(0.45, ge=0.0, description="a spot worker node (example: g5.xlarge spot, us-west-2, 2024)")
+    on_demand_per_hour: float = Field(1.006, ge=0.0, description="an on-demand worker node, and the comparison price for spot time (example: g5.xlarge, 2024)")
+    head_per_hour: float = Field(0.384, ge=0.0, description="the head node, always on-demand (example: m5.2xlarge, 2024)")
+    record_nodes: bool = Field(True, description="the driver polls Ray's node list during the run and writes <run>/nodes.json (node time by market, lost nodes)")
+
+
 class Config(_Section):
     """A whole run. `raytrain config --config NAME` prints it resolved."""
 
@@ -224,6 +234,7 @@ class Config(_Section):
     run: RunSection = Field(default_factory=RunSection)
     metrics: MetricsSection = Field(default_factory=MetricsSection)
     health: HealthSection = Field(default_factory=HealthSection)
+    cost: CostSection = Field(default_factory=CostSection)
 
     @model_validator(mode="after")
     def _batch_consistent(self) -> "Config":

@@ -6,6 +6,7 @@ here, so bad input fails in a second with one line instead of after a cluster sp
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Callable, Optional
 
@@ -215,8 +216,13 @@ def train(cfg: Config, log: Callable[[str], None] = print, reader: str = "ray", 
             callbacks=callbacks,
         ),
     )
+    # Node time by market and lost nodes, for `raytrain cost` (raytrain/cost.py).
+    from raytrain.cost import NodeRecorder
+
+    recorder = NodeRecorder(cfg.run_uri) if cfg.cost.record_nodes else contextlib.nullcontext()
     try:
-        trainer.fit()
+        with recorder:
+            trainer.fit()
     except Exception as e:  # noqa: BLE001 - Ray wraps worker errors; surface ours as one line
         msg = _root_user_error(e)
         if msg:

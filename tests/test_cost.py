@@ -1,0 +1,90 @@
+"""`raytrain cost` on a run directory with known node times, restarts and checkpoint costs: exact numbers out."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import pytest
+
+from raytrain.cli import main
+from raytrain.config import load_config
+from raytrain.cost import young_daly_s
+
+T0 = 1_800_000_000.0  # a fixed epoch second; the run's times are offsets from it
+
+
+def _iso(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    """A 2-hour run: head 2 h, two spot workers (one reclaimed at 1 h and replaced 60 s later)."""
+    run = tmp_path / "r"
+    run.mkdir()
+    cfg = load_config("tiny", ["run.name=r", "cost.spot_per_hour=0.5", "cost.on_demand_per_hour=2.0",
+                               "cost.head_per_hour=0.25"])
+    (run / "config.yaml").write_text(cfg.to_yaml())
+    h = 3600.0
+    nodes = [
+        {"node_id": "h", "type": "head", "market": "on-demand", "first_seen": T0, "last_seen": T0 + 2 * h, "lost": False},
+        {"node_id": "a", "type": "spot", "market": "spot", "first_seen": T0, "last_seen": T0 + 2 * h, "lost": False},
+        {"node_id": "b", "type": "spot", "market": "spot", "first_seen": T0, "last_seen": T0 + h, "lost": True,
+         "lost_at": T0 + h + 5},
+        {"node_id": "c", "type": "spot", "market": "spot", "first_seen": T0 + h + 60, "last_seen": T0 + 2 * h,
+         "lost": False},
+    ]
+    (run / "nodes.json").write_text(json.dumps({"nodes": nodes}))
+    # Attempt 0 trains from T0+10 at 1 step/s; the node dies at T0+h+5; attempt 1 resumes from the
+    # checkpoint at step 3000 (committed at T0+10+3000) and trains again from T0+h+100.
+    (run / "attempts.jsonl").write_text(
+        json.dumps({"attempt": 0, "resumed_step": 0, "time": T0, "first_step_time": T0 + 10}) + "\n"
+        + json.dumps({"attempt": 1, "resumed_step": 3000, "time": T0 + h + 70, "first_step_time": T0 + h + 100}) + "\n")
+    ck = run / "checkpoint_00003000"
+    ck.mkdir()
+    (ck / "manifest.json").write_text(json.dumps({"step": 3000, "files": {}, "committed": _iso(T0 + 10 + 3000)}))
+    metrics = [{"step": s, "loss": 1.0, "tokens_per_s": 1024.0, "samples_per_s": 8.0} for s in range(100, 6001, 100)]
+    metrics += [{"step": s, "checkpoint": f"checkpoint_{s:08d}", "ckpt_stall_s": 2.0} for s in range(1000, 6001, 1000)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    (run / "summary.json").write_text(json.dumps({"run": "r", "steps": 6000, "tokens_seen": 6000 * 1024,
+                                                  "wall_s": 7200, "restarts": 1}))
+    return run
+
+
+def test_cost_report_numbers(run_dir, capsys):
+    assert main(["cost", str(run_dir), "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    spot_h = 2 + 1 + (3600 - 60) / 3600
+    assert r["by_market"]["spot"]["node_hours"] == pytest.approx(spot_h)
+    assert r["by_market"]["on-demand (head)"]["node_hours"] == pytest.approx(2.0)
+    assert r["cost"] == pytest.approx(spot_h * 0.5 + 2 * 0.25)
+    assert r["on_demand_cost"] == pytest.approx(spot_h * 2.0 + 2 * 0.25)
+    assert r["preemptions"] == 1 and r["nodes_lost"] == 1
+    assert r["step_s"] == pytest.approx(1.0)
+    # Lost work: from the checkpoint's commit (T0+3010) to the node loss (T0+3605) = 595 s = 595 steps.
+    assert r["restarts"] == [{"resumed_step": 3000, "lost_s": 595.0, "lost_steps": 595, "recovery_s": 95.0}]
+    assert r["lost_steps"] == 595
+    assert r["checkpoints"] == 6 and r["checkpoint_cost_s"] == pytest.approx(2.0)
+    # Young-Daly with the observed MTBF: 7200 s of run / 1 interruption.
+    assert r["mtbf_s"] == pytest.approx(7200) and r["mtbf_source"] == "observed"
+    assert r["young_daly_s"] == pytest.approx(math.sqrt(2 * 2.0 * 7200)) == pytest.approx(169.7, abs=0.1)
+    assert r["young_daly_steps"] == 170
+
+
+def test_cost_text_and_overrides(run_dir, capsys):
+    assert main(["cost", str(run_dir), "cost.spot_per_hour=0.25", "--mtbf-hours", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "spot" in out and "preemptions 1" in out and "lost steps 595" in out
+    assert f"= {young_daly_s(2.0, 1800):.0f}s" in out and "(given)" in out
+    assert "spot 0.25" in out  # the override replaced the run's own price
+
+
+def test_young_daly_formula():
+    assert young_daly_s(30.0, 3600.0) == pytest.approx(math.sqrt(2 * 30 * 3600)) == pytest.approx(464.76, abs=0.01)
+
+
+def test_cost_of_a_missing_run_is_one_line_error(tmp_path, capsys):
+    assert main(["cost", str(tmp_path / "nope")]) == 2
+    assert "run directory not found" in capsys.readouterr().err
