@@ -107,17 +107,21 @@ def _eot_of(tokenizer_uri: str) -> Optional[int]:
     return Tokenizer.from_str(storage.read_text(tokenizer_uri)).token_to_id(EOT)
 
 
-def hf_tokenizer(tokenizer_uri: str, max_length: int):
-    """Our tokenizers-library tokenizer.json as a `transformers` fast tokenizer (EOT as bos/eos/pad)."""
+def hf_tokenizer(tokenizer_uri: str, max_length: int, eot_id: Optional[int]):
+    """Our tokenizers-library tokenizer.json as a `transformers` fast tokenizer (the dataset's end-of-text
+    token as bos/eos/pad)."""
+    from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
     from raytrain.data.prepare import EOT
 
+    text = storage.read_text(tokenizer_uri)
+    eot = Tokenizer.from_str(text).id_to_token(eot_id) if eot_id is not None else EOT
     with tempfile.TemporaryDirectory(prefix="raytrain-tok-") as d:
         path = os.path.join(d, "tokenizer.json")
         with open(path, "w") as f:
-            f.write(storage.read_text(tokenizer_uri))
-        return PreTrainedTokenizerFast(tokenizer_file=path, bos_token=EOT, eos_token=EOT, pad_token=EOT,
+            f.write(text)
+        return PreTrainedTokenizerFast(tokenizer_file=path, bos_token=eot, eos_token=eot, pad_token=eot,
                                        model_max_length=max_length)
 
 
@@ -159,7 +163,7 @@ def export(ckpt_uri: str, out_uri: str, tokenizer: Optional[str] = None, force: 
     with tempfile.TemporaryDirectory(prefix="raytrain-export-") as d:
         ck.model.config.use_cache = True  # training turned the KV cache off; generation wants it
         ck.model.save_pretrained(d)
-        hf_tokenizer(ck.tokenizer_uri, ck.cfg.model.seq_len).save_pretrained(d)
+        hf_tokenizer(ck.tokenizer_uri, ck.cfg.model.seq_len, ck.eot_id).save_pretrained(d)
         GenerationConfig(bos_token_id=ck.eot_id, eos_token_id=ck.eot_id, pad_token_id=ck.eot_id).save_pretrained(d)
         meta = {"source_checkpoint": ck.uri, "step": ck.step, "params": n_params, "family": ck.cfg.model.family,
                 "zero_stage": ck.cfg.deepspeed.zero_stage, "seq_len": ck.cfg.model.seq_len,

@@ -54,7 +54,7 @@ def load(checkpoint: Optional[str] = None, model_dir: Optional[str] = None,
         if ck.tokenizer_uri is None:
             raise UserError(f"no tokenizer known for {ck.uri}; pass --tokenizer <tokenizer.json>")
         ck.model.config.use_cache = True
-        return Generator(ck.model, hf_tokenizer(ck.tokenizer_uri, ck.cfg.model.seq_len), ck.cfg.model.seq_len)
+        return Generator(ck.model, hf_tokenizer(ck.tokenizer_uri, ck.cfg.model.seq_len, ck.eot_id), ck.cfg.model.seq_len)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from raytrain.model import local_model_dir
