@@ -33,6 +33,8 @@ def _tokens_to_numpy(col, window: int) -> np.ndarray:
     return np.stack(list(arr)).astype(np.int64, copy=False) if arr.dtype == object else arr.astype(np.int64, copy=False)
 
 
+TAR_BUFFER = 4 << 20
+
 # Readers: (shard URIs in read order, window) -> iterator of (index into the URIs, rows). The index lets
 # SampleStream check every shard's row count against the manifest and name a bad shard exactly.
 
@@ -54,7 +56,8 @@ def read_tar(uris: list[str], window: int, **_) -> Iterator[tuple[int, np.ndarra
 
     for i, uri in enumerate(uris):
         fs, path = storage.resolve(uri)
-        with fs.open_input_stream(path) as f:
+        # Buffered: tarfile reads 512-byte blocks, and unbuffered each would be a request on S3.
+        with fs.open_input_stream(path, buffer_size=TAR_BUFFER) as f:
             for rows in iter_tar_rows(f, window):
                 yield i, rows
 
@@ -101,6 +104,7 @@ def read_ray_webdataset(uris: list[str], window: int, prefetch: int = 2,
 
     fs, paths, index = _ray_ordered(uris)
     ds = ray.data.read_webdataset(paths, filesystem=fs, num_cpus=read_cpus, include_paths=True,
+                                  arrow_open_stream_args={"buffer_size": TAR_BUFFER},
                                   override_num_blocks=len(paths)).select_columns([MEMBER, "path"])
     yield from _ray_batches(ds, index, MEMBER, window, prefetch)
 
