@@ -36,6 +36,14 @@ def _cmd_data(args) -> int:
     return 0
 
 
+def _cmd_tune(args) -> int:
+    from raytrain.sweep.run import run_sweep
+    from raytrain.sweep.spec import load_spec
+
+    run_sweep(load_spec(args.config, args.overrides), resume=args.resume)
+    return 0
+
+
 def _cmd_config(args) -> int:
     from raytrain.config import load_config, reference_markdown
 
@@ -337,6 +345,12 @@ def build_parser() -> argparse.ArgumentParser:
                     "Young-Daly interval (default: observed in this run)")
     co.add_argument("--json", action="store_true")
     co.set_defaults(fn=_cmd_cost)
+    tu = sub.add_parser("tune", help="Ray Tune sweep of training runs (micro-batch throughput, lr/warmup with ASHA)")
+    tu.add_argument("--config", "-c", required=True, help="tune config: tune_configs/NAME.yaml (or NAME)")
+    tu.add_argument("--resume", action="store_true", help="continue the sweep whose driver died (Tuner.restore)")
+    tu.add_argument("overrides", nargs="*", help="training keys (data.train=..., model.n_layer=2) or tune config "
+                    "keys (budget.max_steps=20, microbatch.memory_cap_mb=4000)")
+    tu.set_defaults(fn=_cmd_tune)
     c = sub.add_parser("config", help="print the resolved config")
     c.add_argument("--config", "-c", default="tiny")
     c.add_argument("--reference", action="store_true", help="print every config key as Markdown")
