@@ -77,6 +77,16 @@ def test_format_not_prepared_is_named(tiny_data):
         load_split(str(tiny_data / "train"), "data.train", fmt="webdataset")
 
 
+def test_default_format_is_the_first_prepared(both, tmp_path):
+    d = tmp_path / "ds"
+    shutil.copytree(both, d)
+    m = json.loads((d / "train" / "manifest.json").read_text())
+    m["format"], m["formats"], m["shards"] = "webdataset", ["webdataset"], {"webdataset": m["shards"]["webdataset"]}
+    (d / "train" / "manifest.json").write_text(json.dumps(m))
+    assert load_split(str(d / "train")).format == "webdataset"  # tools that do not ask for a format
+    assert load_split(str(both / "train")).format == "parquet"
+
+
 def test_corrupt_tar_caught_by_manifest_check(both, tmp_path):
     d = tmp_path / "ds"
     shutil.copytree(both, d)

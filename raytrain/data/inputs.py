@@ -132,7 +132,7 @@ def use_ray(engine: str) -> bool:
     if engine == "local" or (engine == "auto" and not ray.is_initialized() and not os.environ.get("RAY_ADDRESS")):
         return False
     if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS") or None, log_to_driver=False)
+        ray.init(log_to_driver=False)  # connects to RAY_ADDRESS when set, else starts a local instance
     return True
 
 

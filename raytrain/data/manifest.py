@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
+from typing import Optional
 
 import pyarrow.fs as pafs
 
@@ -47,8 +48,8 @@ class Split:
         return Split(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in d.items()})
 
 
-def load_split(uri: str, what: str = "data", checksums: bool = False, fmt: str = "parquet") -> Split:
-    """Read and check a split's `fmt` shards. Missing / incomplete / empty splits, missing shards, size (or,
+def load_split(uri: str, what: str = "data", checksums: bool = False, fmt: Optional[str] = None) -> Split:
+    """Read and check a split's `fmt` shards (None: the first format it was prepared with). Missing / incomplete / empty splits, missing shards, size (or,
     with checksums, sha256) mismatches are a one-line UserError naming the shard."""
     uri = storage.absolute(uri)
     murl = storage.join(uri, MANIFEST)
@@ -59,6 +60,7 @@ def load_split(uri: str, what: str = "data", checksums: bool = False, fmt: str =
     try:
         m = json.loads(storage.read_text(murl))
         by_format = shards_by_format(m)
+        fmt = fmt or m.get("format") or next(iter(by_format))
         if fmt not in by_format:
             raise UserError(f"{what}: {uri} was not prepared as {fmt} (it has {', '.join(by_format)}); set "
                             f"data.format to one of those or prepare with formats=[{fmt}]")
