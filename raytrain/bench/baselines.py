@@ -1,0 +1,132 @@
+"""Hand-written training loops the benchmark compares raytrain against: what a person would write without it.
+
+Same model (raytrain.model.build_model), same micro-batch, same optimizer settings, same thread count;
+no Ray, no DeepSpeed (CPU), data read once into memory up front so the baseline pays nothing for it.
+Each loop runs in fresh processes (torch.multiprocessing, spawn) so thread settings and imports
+start clean, and writes its per-window tokens/s to a JSON file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+
+import numpy as np
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rows(split_dict: dict) -> np.ndarray:
+    from raytrain.data.manifest import Split
+    from raytrain.data.stream import read_pyarrow
+
+    split = Split.from_dict(split_dict)
+    return np.concatenate([r for _, r in read_pyarrow(split.shard_uris, split.seq_len + 1)])
+
+
+def _worker(rank: int, world: int, port: int, cfg_dict: dict, split_dict: dict, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from raytrain.config import Config
+    from raytrain.ds_config import lr_lambda
+    from raytrain.model import build_model
+    from raytrain.worker.loop import _param_groups
+
+    cfg = Config.model_validate(cfg_dict)
+    torch.set_num_threads(max(1, int(cfg.scaling.cpus_per_worker)))
+    if world > 1:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    rows = _rows(split_dict)
+    vocab = cfg.model.vocab_size or split_dict["vocab_size"]
+    model = build_model(cfg.model, vocab, cfg.run.seed, split_dict.get("eot_id"))
+    o = cfg.optim
+    opt = torch.optim.AdamW(_param_groups(model, o.weight_decay), lr=o.lr, betas=tuple(o.betas), eps=o.eps)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+    if world > 1:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    model.train()
+    mb, seq = cfg.batch.micro_batch_size, cfg.model.seq_len
+    gb = mb * world
+    windows, pos, t = [], 0, time.perf_counter()
+    for step in range(1, cfg.run.max_steps + 1):
+        if pos + gb > len(rows):
+            pos = 0
+        x = torch.from_numpy(np.ascontiguousarray(rows[pos + rank * mb:pos + (rank + 1) * mb]))
+        pos += gb
+        logits = model(input_ids=x[:, :-1]).logits
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), x[:, 1:].reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        loss.item()  # a loop that logs its loss syncs here too
+        if step % cfg.run.log_every == 0:
+            now = time.perf_counter()
+            windows.append(cfg.run.log_every * gb * seq / (now - t))
+            t = now
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"tokens_per_s_windows": windows}, f)
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def plain_loop(cfg, split_dict: dict, out: str) -> list[float]:
+    """Tokens/s per log window of a plain PyTorch loop (one process) or DDP over gloo (num_workers processes)."""
+    import torch.multiprocessing as mp
+
+    world = cfg.scaling.num_workers
+    mp.start_processes(_worker, args=(world, _free_port(), cfg.to_dict(), split_dict, out), nprocs=world,
+                       start_method="spawn", join=True)
+    with open(out) as f:
+        return json.load(f)["tokens_per_s_windows"]
+
+
+def deepspeed_gpu_loop(cfg, vocab: int, steps: int, warmup: int) -> float:
+    """Plain PyTorch + DeepSpeed on one GPU, random tokens already on the device: tokens/s after warm-up.
+
+    The same DeepSpeed config raytrain builds (bf16, fused Adam, ZeRO stage of the config) without Ray,
+    Ray Data or raytrain's loop: the ceiling raytrain's GPU figure is judged against.
+    """
+    import deepspeed
+    import torch
+    import torch.nn.functional as F
+
+    from raytrain.ds_config import build_ds_config
+    from raytrain.model import build_model
+    from raytrain.worker.loop import _param_groups
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    deepspeed.init_distributed("nccl")
+    model = build_model(cfg.model, vocab, cfg.run.seed)
+    ds = build_ds_config(cfg, 1, "bf16", True)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=_param_groups(model, cfg.optim.weight_decay),
+                                           config=ds, dist_init_required=False)
+    mb, seq = cfg.batch.micro_batch_size, cfg.model.seq_len
+    x = torch.randint(0, vocab, (mb, seq + 1), device=engine.device)
+    t = None
+    for i in range(warmup + steps):
+        if i == warmup:
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+        logits = engine(input_ids=x[:, :-1]).logits
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), x[:, 1:].reshape(-1))
+        engine.backward(loss)
+        engine.step()
+    torch.cuda.synchronize()
+    tps = steps * mb * seq / (time.perf_counter() - t)
+    engine.destroy()
+    return tps

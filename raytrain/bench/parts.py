@@ -1,0 +1,369 @@
+"""The five benchmark parts. Each returns figures measured beside their baseline in the same run.
+
+A figure is a dict: {"part", "name", "value", "unit", "baseline", "baseline_value", "ratio", "target", "met"}
+plus free-form detail. `ratio` is value / baseline_value (or the stated comparison); `target` says what the
+issue asks of it. Everything runs on 127.0.0.1: a local Ray instance, a moto S3-protocol server, local disk.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import os
+import shutil
+import statistics
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+from raytrain import storage
+
+
+def figure(part: str, name: str, value: Optional[float], unit: str, baseline: str, baseline_value: Optional[float],
+           target: str = "", ratio: Optional[float] = None, met: Optional[bool] = None, **detail) -> dict:
+    if ratio is None and value is not None and baseline_value:
+        ratio = value / baseline_value
+    return {"part": part, "name": name, "value": value, "unit": unit, "baseline": baseline,
+            "baseline_value": baseline_value, "ratio": ratio, "target": target, "met": met, **detail}
+
+
+# ----------------------------------------------------------------------------------------------- setup
+
+def prepare_data(out: str, max_chars: int, seq_len: int = 128, shard_rows: int = 256) -> str:
+    """The built-in python-docs corpus, tokenized and packed; returns the dataset directory."""
+    from raytrain.data.prepare import PrepareConfig, prepare
+
+    if not os.path.exists(os.path.join(out, "train", "manifest.json")):
+        prepare(PrepareConfig(inputs=["python-docs"], out=out, max_chars=max_chars, seq_len=seq_len,
+                              shard_rows=shard_rows, engine="local"), log=lambda *_: None)
+    return out
+
+
+def train_cfg(data: str, runs: str, name: str, workers: int, steps: int, log_every: int, *overrides: str):
+    """The tiny recipe (GPT-2, ZeRO-2, 1 CPU per worker, fp32), no validation, no checkpoint until the end."""
+    from raytrain.config import load_config
+
+    return load_config("tiny", [
+        f"data.train={data}/train", "data.val=null", f"checkpoint.storage={runs}", f"run.name={name}",
+        f"scaling.num_workers={workers}", f"run.max_steps={steps}", f"run.log_every={log_every}", "run.eval_every=0",
+        f"checkpoint.every_n_steps={10 * steps}", "batch.gradient_accumulation_steps=1", "run.max_failures=0",
+        *overrides,
+    ])
+
+
+def metrics(run_uri: str) -> list[dict]:
+    return [json.loads(line) for line in storage.read_text(storage.join(run_uri, "metrics.jsonl")).splitlines()]
+
+
+def steady(windows: list[float]) -> float:
+    """Steady-state throughput: the median window after the first (warm-up: allocation, first data read).
+    The median rather than the mean because other processes on a shared machine make single windows slow."""
+    rest = windows[1:] or windows
+    return statistics.median(rest)
+
+
+def _quiet(*_):
+    pass
+
+
+# ------------------------------------------------------------------------------- 1. training overhead
+
+def overhead(data: str, tmp: str, quick: bool, log: Callable = print) -> tuple[list[dict], dict]:
+    """raytrain (Ray Train + DeepSpeed + Ray Data) against a plain loop (1 worker) and DDP (2 workers).
+
+    Returns the figures and the raytrain runs' metrics records (part 2 reads their data wait)."""
+    from raytrain.bench.baselines import plain_loop
+    from raytrain.data.manifest import load_split
+    from raytrain.trainer import train
+
+    steps, every = (60, 10) if quick else (240, 20)
+    split = load_split(f"{data}/train").to_dict()
+    figs, runs = [], {}
+    for workers, base_name in ((1, "plain PyTorch loop, 1 process"), (2, "plain DDP (gloo), 2 processes")):
+        cfg = train_cfg(data, f"{tmp}/runs", f"overhead-w{workers}", workers, steps, every)
+        # Baseline before and after raytrain's run: load from other processes drifts; their mean is fairer.
+        t = time.perf_counter()
+        b1 = plain_loop(cfg, split, f"{tmp}/plain-w{workers}-a.json")
+        tb = time.perf_counter() - t
+        t = time.perf_counter()
+        train(cfg, log=_quiet)
+        tr = time.perf_counter() - t
+        recs = [r for r in metrics(cfg.run_uri) if "tokens_per_s" in r]
+        runs[workers] = recs
+        b2 = plain_loop(cfg, split, f"{tmp}/plain-w{workers}-b.json") if not quick else None
+        base = statistics.mean([steady(b1)] + ([steady(b2)] if b2 else []))
+        rt = steady([r["tokens_per_s"] for r in recs])
+        log(f"  {workers} worker(s): raytrain {rt:,.0f} tokens/s (run {tr:.0f}s incl. start) | {base_name} "
+            f"{base:,.0f} tokens/s ({tb:.0f}s) | ratio {rt / base:.3f}")
+        figs.append(figure("1 overhead", f"raytrain tokens/s, {workers} worker(s)", rt, "tokens/s", base_name, base,
+                           target=">= 0.95" if workers == 1 else "(no target)",
+                           met=(rt / base >= 0.95) if workers == 1 else None,
+                           windows=[r["tokens_per_s"] for r in recs], baseline_windows=[b1, b2],
+                           model=f"gpt2 {cfg.model.n_layer}x{cfg.model.hidden_size}, seq {cfg.model.seq_len}",
+                           micro_batch=cfg.batch.micro_batch_size, threads_per_worker=int(cfg.scaling.cpus_per_worker),
+                           zero_stage=cfg.deepspeed.zero_stage, steps=steps, log_every=every))
+    return figs, runs
+
+
+# ---------------------------------------------------------------------------------------- 2. ingest
+
+def ingest(data: str, epochs: int, train_runs: Optional[dict] = None, log: Callable = print) -> list[dict]:
+    """Tokens/s SampleStream delivers (Ray Data reader and plain pyarrow reader) against a raw pyarrow read
+    of the same shards, in this process (a Ray instance must be up for the Ray Data reader); and the
+    fraction of step time the training runs of part 1 waited for data."""
+    import pyarrow.parquet as pq
+
+    from raytrain.data.manifest import load_split
+    from raytrain.data.stream import SampleStream
+
+    split = load_split(f"{data}/train")
+    width = split.seq_len + 1
+    n = split.num_samples * epochs
+    def raw_read(times: int) -> None:
+        # Raw: each shard read whole, the tokens column only, no decoding into rows, no shuffle.
+        for _ in range(times):
+            for uri in split.shard_uris:
+                fs, path = storage.resolve(uri)
+                pq.read_table(path, filesystem=fs, columns=["tokens"])
+
+    raw_read(1)  # warm: imports, page cache - the stream readers get the same
+    t = time.perf_counter()
+    raw_read(epochs)
+    raw = n * width / (time.perf_counter() - t)
+    figs = []
+    for reader in ("ray", "pyarrow"):
+        t0 = time.perf_counter()
+        # In the caller's thread (the training loop adds a prefetch thread on top): this is the reader's rate.
+        s = SampleStream(split, seed=0, reader=reader, background=False)
+        got = len(s.take(1))
+        t1 = time.perf_counter()  # start-up (Ray Data's first tasks) is reported apart from the steady rate
+        batch = 64
+        crc = hashlib.sha256()
+        while got < n:
+            rows = s.take(min(batch, n - got))
+            crc.update(rows.tobytes())
+            got += len(rows)
+        tps = (n - 1) * width / (time.perf_counter() - t1)
+        del s  # closes the half-read Ray Data iterator now, while Ray is still up
+        gc.collect()
+        log(f"  SampleStream reader={reader}: {tps:,.0f} tokens/s (first row after {t1 - t0:.1f}s) | raw pyarrow "
+            f"read {raw:,.0f} tokens/s | ratio {tps / raw:.2f}")
+        figs.append(figure("2 ingest", f"SampleStream tokens/s (reader {reader})", tps, "tokens/s",
+                           "raw pyarrow.parquet read_table of the same shards", raw, target="(no target)",
+                           startup_s=t1 - t0, samples=n, epochs=epochs, sha256=crc.hexdigest()))
+    # Same global order whatever the reader: the benchmark checks it is measuring the real thing.
+    assert figs[0]["sha256"] == figs[1]["sha256"], "readers delivered different samples"
+    for workers, recs in sorted((train_runs or {}).items()):
+        waits = [r["data_wait_frac"] for r in recs[1:] or recs]
+        consumed = steady([r["tokens_per_s"] for r in recs])
+        frac = statistics.median(waits)
+        log(f"  training, {workers} worker(s): data wait {frac:.3%} of step time (median window; max {max(waits):.3%}) "
+            f"| training consumed {consumed:,.0f} tokens/s, the stream delivers {figs[0]['value']:,.0f}")
+        figs.append(figure("2 ingest", f"data wait, fraction of step time ({workers} worker(s))", frac, "fraction",
+                           "target", 0.01, target="<= 0.01", ratio=frac / 0.01, met=frac <= 0.01,
+                           max_window=max(waits), windows=waits))
+    return figs
+
+
+# ------------------------------------------------------------------------------------- 3. checkpoint
+
+class StandInEngine:
+    """engine.save_checkpoint as DeepSpeed does it on CPU: torch.save of tensors, one file per shard, here
+    a model-states file (1/4 of the bytes) and two ranks' optimizer shards (3/8 each)."""
+
+    def __init__(self, total_bytes: int):
+        import torch
+
+        q = total_bytes // 8
+        self.files = {"mp_rank_00_model_states.pt": torch.randn(2 * q // 4),
+                      "zero_pp_rank_0_mp_rank_00_optim_states.pt": torch.randn(3 * q // 4),
+                      "zero_pp_rank_1_mp_rank_00_optim_states.pt": torch.randn(3 * q // 4)}
+
+    def save_checkpoint(self, d: str, tag: str) -> None:
+        import torch
+
+        os.makedirs(os.path.join(d, tag), exist_ok=True)
+        for name, t in self.files.items():
+            torch.save({"t": t}, os.path.join(d, tag, name))
+
+
+def _tree_bytes(d: str) -> int:
+    return sum(p.stat().st_size for p in Path(d).rglob("*") if p.is_file())
+
+
+def _same_tree(a: str, b: str) -> bool:
+    from raytrain.checkpoints import hash_local_files
+
+    return hash_local_files(a) == hash_local_files(b)
+
+
+def checkpoint(tmp: str, bucket: str, total_bytes: int, reps: int, log: Callable = print,
+               prefix: str = "bench") -> list[dict]:
+    """Save / restore bytes/s through raytrain.storage against raw boto3 transfers of the same files, and the
+    training stall of CheckpointWriter's async upload against its sync upload. Needs AWS_ENDPOINT_URL set to
+    an S3-protocol server and `bucket` created there."""
+    import boto3
+
+    from raytrain.config import Config
+    from raytrain.worker.checkpoint import CheckpointWriter, TrainState
+
+    engine = StandInEngine(total_bytes)
+    src = os.path.join(tmp, "ckpt-src")
+    engine.save_checkpoint(src, "engine")
+    size = _tree_bytes(src)
+    files = [str(p.relative_to(src)) for p in Path(src).rglob("*") if p.is_file()]
+    s3 = boto3.client("s3")
+    best = {"rt_save": 0.0, "rt_restore": 0.0, "boto_save": 0.0, "boto_restore": 0.0}
+
+    def timed(fn) -> float:
+        t = time.perf_counter()
+        fn()
+        return size / (time.perf_counter() - t)
+
+    for i in range(reps):  # alternate the two so drifting load hits both alike; keep each one's best
+        uri, key = f"s3://{bucket}/{prefix}/rt-{i}", f"{prefix}/boto-{i}"
+        best["rt_save"] = max(best["rt_save"], timed(lambda: storage.upload_dir(src, uri)))
+        best["boto_save"] = max(best["boto_save"], timed(
+            lambda: [s3.upload_file(os.path.join(src, f), bucket, f"{key}/{f}") for f in files]))
+        dst_rt, dst_boto = os.path.join(tmp, f"rt-restore-{i}"), os.path.join(tmp, f"boto-restore-{i}")
+        best["rt_restore"] = max(best["rt_restore"], timed(lambda: storage.download_dir(uri, dst_rt)))
+
+        def boto_get():
+            for f in files:
+                os.makedirs(os.path.dirname(os.path.join(dst_boto, f)), exist_ok=True)
+                s3.download_file(bucket, f"{key}/{f}", os.path.join(dst_boto, f))
+
+        best["boto_restore"] = max(best["boto_restore"], timed(boto_get))
+        assert _same_tree(src, dst_rt) and _same_tree(src, dst_boto), "a restored checkpoint differs from the saved one"
+        for d in (dst_rt, dst_boto):
+            shutil.rmtree(d)
+        storage.delete_dir(uri)
+        storage.delete_dir(f"s3://{bucket}/{key}")
+    mb = 1e6
+    figs = []
+    for what in ("save", "restore"):
+        rt, bo = best[f"rt_{what}"], best[f"boto_{what}"]
+        log(f"  {what}: raytrain.storage {rt / mb:,.1f} MB/s | boto3 {'upload_file' if what == 'save' else 'download_file'} "
+            f"{bo / mb:,.1f} MB/s | ratio {rt / bo:.2f}  ({size / mb:.0f} MB, best of {reps})")
+        figs.append(figure("3 checkpoint", f"{what} MB/s via raytrain.storage", rt / mb, "MB/s",
+                           f"raw boto3 {'upload_file' if what == 'save' else 'download_file'}", bo / mb,
+                           target=">= 0.9", met=rt / bo >= 0.9, bytes=size, reps=reps))
+
+    stalls, uploads = {}, {}
+    for mode in ("sync", "async"):
+        c = Config().checkpoint.model_copy(update={"upload": mode, "keep_last": 2, "upload_retries": 0,
+                                                   "staging_dir": os.path.join(tmp, "staging")})
+        w = CheckpointWriter(c, f"s3://{bucket}/{prefix}/stall-{mode}", rank=0, world=1)
+        stalls[mode] = []
+        for step in range(1, reps + 1):
+            w.save(engine, TrainState(step=step, world_size=1), "bench: true\n")
+            stalls[mode].append(w.last_stall_s)
+            w.wait()
+            assert w.committed == f"checkpoint_{step:08d}", w.failed
+        uploads[mode] = w.last_upload_s
+        storage.delete_dir(f"s3://{bucket}/{prefix}/stall-{mode}")
+    a, s = min(stalls["async"]), min(stalls["sync"])
+    log(f"  training stall per save: async upload {a:.2f}s | sync upload {s:.2f}s | ratio {a / s:.3f} "
+        f"(async upload then ran {uploads['async']:.2f}s in the background)")
+    figs.append(figure("3 checkpoint", "training stall of an async-upload save", a, "s", "sync-upload save", s,
+                       target="<= 0.10", met=a / s <= 0.10, stalls=stalls, bytes=size,
+                       background_upload_s=uploads["async"]))
+    shutil.rmtree(src, ignore_errors=True)
+    return figs
+
+
+# --------------------------------------------------------------------------------------- 4. recovery
+
+def recovery(data: str, tmp: str, quick: bool, log: Callable = print) -> list[dict]:
+    """SIGKILL one of two workers mid-run; seconds from the kill to the first resumed step, and steps lost.
+    Baseline: the same run's fresh start (its worker start to first step)."""
+    from raytrain.trainer import train
+
+    steps, every, kill = (16, 5, 8) if quick else (40, 10, 24)
+    cfg = train_cfg(data, f"{tmp}/runs", "recovery", 2, steps, 1, f"checkpoint.every_n_steps={every}",
+                    "run.max_failures=1")
+    marker = os.path.join(tmp, "recovery-kill")
+    t = time.time()
+    summary = train(cfg, log=_quiet, inject={"events": [{"step": kill, "rank": 1, "signal": "SIGKILL"}],
+                                             "marker": marker})
+    attempts = [json.loads(line) for line in storage.read_text(storage.join(cfg.run_uri, "attempts.jsonl")).splitlines()]
+    killed_at = float(Path(marker + ".0").read_text())
+    fresh, resumed = attempts[0], attempts[-1]
+    rec_s = resumed["first_step_time"] - killed_at
+    lost = kill - resumed["resumed_step"]
+    fresh_start = fresh["first_step_time"] - fresh["time"]
+    respawn = resumed["time"] - killed_at
+    log(f"  kill at step {kill} -> first resumed step after {rec_s:.1f}s (worker group replaced in {respawn:.1f}s, "
+        f"then {resumed['first_step_time'] - resumed['time']:.1f}s to the first step); steps lost {lost} "
+        f"(resumed at {resumed['resumed_step']}, checkpoint every {every}) | fresh start: worker start to first step "
+        f"{fresh_start:.1f}s, submit to first step {fresh['first_step_time'] - t:.1f}s")
+    assert summary["steps"] == steps and summary["restarts"] == 1, summary
+    return [figure("4 recovery", "seconds from worker kill to first resumed step", rec_s, "s",
+                   "fresh start, worker start to first step", fresh_start, target="<= 20 s", met=rec_s <= 20,
+                   respawn_s=respawn, resumed_start_to_first_step_s=resumed["first_step_time"] - resumed["time"],
+                   submit_to_first_step_s=fresh["first_step_time"] - t, attempts=attempts),
+            figure("4 recovery", "steps lost (redone after the kill)", lost, "steps",
+                   "checkpoint interval", every, target=f"< checkpoint interval ({every})", met=lost < every,
+                   killed_at_step=kill, resumed_step=resumed["resumed_step"])]
+
+
+# -------------------------------------------------------------------------------------------- 5. GPU
+
+GPU_MODELS = {
+    # ~124M: GPT-2 small. ~1.1B: a Llama-style model (TinyLlama's shape).
+    "gpt2-124m": ["model.family=gpt2", "model.n_layer=12", "model.hidden_size=768", "model.n_head=12",
+                  "model.vocab_size=50304", "batch.micro_batch_size=32"],
+    "llama-1b": ["model.family=llama", "model.n_layer=22", "model.hidden_size=2048", "model.n_head=32",
+                 "model.n_kv_head=4", "model.intermediate_size=5632", "model.vocab_size=32000",
+                 "batch.micro_batch_size=16"],
+}
+
+
+def gpu(tmp: str, quick: bool, log: Callable = print) -> list[dict]:
+    """MFU of raytrain (1 GPU worker, bf16, SDPA) against plain PyTorch + DeepSpeed on the same GPU.
+    Skipped, saying so, where there is no CUDA device."""
+    import torch
+
+    if not torch.cuda.is_available():
+        log("  skipped: no CUDA device here (torch.cuda.is_available() is False); GPU MFU needs a GPU machine")
+        return [figure("5 gpu", "MFU (skipped: no CUDA device)", None, "", "plain PyTorch + DeepSpeed", None,
+                       skipped="no CUDA device")]
+    import multiprocessing as mp
+
+    from raytrain.model import build_model, flops_per_token, param_count
+    from raytrain.trainer import train
+    from raytrain.worker.telemetry import peak_tflops
+
+    steps = 30 if quick else 100
+    data = prepare_data(os.path.join(tmp, "data-seq1024"), 3_000_000, seq_len=1024)
+    figs = []
+    for name, shape in GPU_MODELS.items():
+        cfg = train_cfg(data, f"{tmp}/runs", f"gpu-{name}", 1, steps, 10, *shape, "scaling.use_gpu=true",
+                        "model.seq_len=1024",
+                        "precision.dtype=bf16", "model.attn_implementation=sdpa", "deepspeed.zero_stage=1",
+                        "scaling.cpus_per_worker=4")
+        n = param_count(build_model(cfg.model, cfg.model.vocab_size, 0))
+        fpt = flops_per_token(n, cfg.model)
+        peak = peak_tflops(cfg, torch.cuda.get_device_name()) * 1e12
+        # The plain loop in a child process: it must not hold the GPU while raytrain's worker runs.
+        with mp.get_context("spawn").Pool(1) as pool:
+            base = pool.apply(_gpu_baseline, (cfg.to_dict(), cfg.model.vocab_size, steps))
+        train(cfg, log=_quiet)
+        rt = steady([r["tokens_per_s"] for r in metrics(cfg.run_uri) if "tokens_per_s" in r])
+        mfu, base_mfu = fpt * rt / peak, fpt * base / peak
+        target = 0.45 if name == "gpt2-124m" else 0.50
+        log(f"  {name} ({n / 1e6:.0f}M params): raytrain MFU {mfu:.1%} ({rt:,.0f} tokens/s) | plain DeepSpeed "
+            f"MFU {base_mfu:.1%} ({base:,.0f} tokens/s) | ratio {mfu / base_mfu:.3f}")
+        figs.append(figure("5 gpu", f"MFU {name}, bf16, SDPA", mfu, "fraction of peak", "plain PyTorch + DeepSpeed",
+                           base_mfu, target=f">= {target:.0%} MFU, >= 0.97 of plain",
+                           met=mfu >= target and mfu / base_mfu >= 0.97, params=n, tokens_per_s=rt,
+                           baseline_tokens_per_s=base, device=torch.cuda.get_device_name()))
+    return figs
+
+
+def _gpu_baseline(cfg_dict: dict, vocab: int, steps: int) -> float:
+    from raytrain.bench.baselines import deepspeed_gpu_loop
+    from raytrain.config import Config
+
+    return deepspeed_gpu_loop(Config.model_validate(cfg_dict), vocab, steps, warmup=10)
