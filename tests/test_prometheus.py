@@ -99,7 +99,7 @@ def test_prometheus_scrapes_raytrain_series(tiny_data, tmp_path):
         env = {**os.environ, "RAY_TRAIN_ENABLE_PRINT_PATCH": "0", "RAY_USAGE_STATS_ENABLED": "0",
                "PYTHONPATH": str(ROOT)}
         child = subprocess.run([sys.executable, "-c", CHILD, str(metrics_port), json.dumps(overrides)], env=env,
-                               capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
+                               capture_output=True, text=True, timeout=900, cwd=str(tmp_path))
         assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-3000:]
         summary = json.loads(next(x for x in child.stdout.splitlines() if x.startswith("SUMMARY "))[8:])
         assert summary["steps"] == 30
