@@ -103,9 +103,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="drain with reason PREEMPTION and this deadline first, kill at the deadline")
     args = ap.parse_args(argv)
 
+    # The clusters we start use token auth (pitfalls #2); Ray reads the mode when first imported.
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
     import ray
 
-    os.environ.setdefault("RAY_AUTH_MODE", "token")  # the clusters we start use token auth (pitfalls #2)
     ray.init(address=args.address, log_to_driver=False, logging_level="ERROR")
     try:
         node = next((n for n in ray.nodes() if n["NodeID"] == args.node_id), None) if args.node_id \
