@@ -134,7 +134,7 @@ def main() -> None:
         for p in Path(local).rglob("*"):
             if p.is_file():
                 storage.upload_file(str(p), storage.join(s3, str(p.relative_to(local))))
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
         worker = ray.remote(num_cpus=1)(ingest_in_worker)
         results["ingest"] = []
         for where, base in (("local", local), ("s3", s3)):
