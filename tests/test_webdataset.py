@@ -194,3 +194,18 @@ def test_training_from_webdataset_skips_a_truncated_tar_and_counts_it(both, tmp_
     with pytest.raises(UserError, match="shard .*shard-00000.tar cannot be used"):
         train(tiny_cfg(d, tmp_path / "runs", "wds2", "data.format=webdataset", "run.max_steps=3",
                        "checkpoint.save_final=false"), log=lambda *_: None)
+
+
+def test_prepare_straight_to_s3_and_rerun_skips_written_shards(corpus_dir, s3_server):
+    out = "s3://raytrain-test/prepared-wds"
+    prepare(_cfg(corpus_dir, out, engine="local"), **QUIET)
+    fs, path = storage.resolve(f"{out}/train/shard-00000.tar")
+    before = fs.get_file_info(path).mtime
+    lines = []
+    prepare(_cfg(corpus_dir, out, engine="local"), log=lines.append)
+    train = load_split(f"{out}/train", checksums=True, fmt="webdataset")
+    assert any(f"{2 * len(train.shard_uris)} shard file(s) already written and verified, 0 written" in x for x in lines)
+    assert fs.get_file_info(path).mtime == before
+    rows = SampleStream(train, seed=0, shuffle=False, reader="pyarrow").take(train.num_samples)
+    parquet = SampleStream(load_split(f"{out}/train"), seed=0, shuffle=False, reader="pyarrow").take(train.num_samples)
+    np.testing.assert_array_equal(rows, parquet)
