@@ -133,8 +133,9 @@ def describe(run_uri: str, deep: bool = False) -> list[dict]:
     return rows
 
 
-def latest_complete(run_uri: str, log=None) -> Optional[CheckpointInfo]:
-    """The newest checkpoint that verifies; incomplete newer ones are skipped with a warning.
+def latest_complete(run_uri: str, log=None, deep: bool = False) -> Optional[CheckpointInfo]:
+    """The newest checkpoint that verifies (sizes; sha256 too when deep); incomplete or corrupt newer
+    ones are skipped with a warning.
 
     A rollback marker (`raytrain ckpt rollback`) caps the search at its step: checkpoints after it are
     kept but not used, by the driver and the workers alike, since both ask here.
@@ -144,7 +145,7 @@ def latest_complete(run_uri: str, log=None) -> Optional[CheckpointInfo]:
     if marker is not None:
         uris = [u for u in uris if _step_of(u) <= marker["step"]]
     for uri in reversed(uris):
-        info = verify(uri)
+        info = verify(uri, deep=deep)
         if info.complete:
             return info
         if log:

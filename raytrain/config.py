@@ -167,8 +167,9 @@ class CheckpointSection(_Section):
     upload_retries: int = Field(3, ge=0, description="retries (with backoff) of a failed checkpoint upload, on top of the S3 client's own retries")
     commit_timeout_s: float = Field(600.0, gt=0, description="rank 0 waits this long for every rank's upload before giving up on a checkpoint")
     staging_dir: Optional[str] = Field(None, description="local directory for the copy written before upload; default: the system temp dir")
+    verify_on_resume: Literal["checksum", "size"] = Field("checksum", description="how the checkpoint to resume from is checked: sha256 of every file (reads it once more) or sizes only")
     on_preemption: bool = Field(True, description="checkpoint at once when a node is drained for preemption or a worker gets SIGTERM")
-    preemption_check_every: int = Field(1, ge=1, description="steps between checks of Ray's preemption notice (a barrier across workers)")
+    preemption_check_s: float = Field(2.0, ge=0, description="seconds between checks of Ray's preemption notice (a barrier across workers, so not every step); 0: every step")
 
 
 class RunSection(_Section):

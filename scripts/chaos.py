@@ -19,6 +19,7 @@ import glob
 import json
 import os
 import random
+import subprocess
 import sys
 import tempfile
 import threading
@@ -46,20 +47,58 @@ def _records(run_uri: str) -> dict[int, dict]:
 
 
 class Harness:
-    """Carries out node events that workers request (see worker.loop._crash_hook)."""
+    """A local multi-node cluster made of `ray start` processes, and the node events workers request.
 
-    def __init__(self, cluster, marker: str, drain_deadline_s: float):
-        self.cluster, self.marker, self.deadline_s = cluster, marker, drain_deadline_s
-        self.done: set[str] = set()
+    Nodes are separate `ray start --block` process groups on 127.0.0.1, so a node can be killed whole
+    (raylet and its workers) from any thread, as a lost spot instance would be. Each worker node has a
+    `trainer` resource (one training worker per node) and a `chaos_node_K` resource naming it.
+    """
+
+    def __init__(self, drain_deadline_s: float):
+        self.deadline_s = drain_deadline_s
+        self.nodes: dict[int, subprocess.Popen] = {}
         self.log: list[dict] = []
+        self.done: set[str] = set()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread: threading.Thread | None = None
+        self._ray = os.path.join(os.path.dirname(sys.executable), "ray")
+        self.port = _free_port()
+        self.address = f"127.0.0.1:{self.port}"
 
-    def add_spare(self):
-        return self.cluster.add_node(num_cpus=1, resources={"trainer": 1})
+    def _start(self, args: list[str]) -> subprocess.Popen:
+        return subprocess.Popen([self._ray, "start", "--block", "--node-ip-address=127.0.0.1",
+                                 "--disable-usage-stats", *args], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
 
-    def _node(self, node_id: str):
-        return next(n for n in self.cluster.worker_nodes if n.node_id == node_id)
+    def up(self, workers: int = 2) -> "Harness":
+        self.head = self._start(["--head", f"--port={self.port}", "--num-cpus=2", "--include-dashboard=false"])
+        _wait(lambda: _ray_ok(self.address), 60, "the head node did not start")
+        for _ in range(workers):
+            self.add_node()
+        return self
+
+    def add_node(self) -> int:
+        k = len(self.nodes)
+        self.nodes[k] = self._start([f"--address={self.address}", "--num-cpus=1",
+                                     f"--resources={json.dumps({'trainer': 1, f'chaos_node_{k}': 1})}"])
+        return k
+
+    def _node_index(self, node_id: str) -> int:
+        import ray
+
+        for n in ray.nodes():
+            if n["NodeID"] == node_id:
+                return next(int(r.rsplit("_", 1)[1]) for r in n["Resources"] if r.startswith("chaos_node_"))
+        raise KeyError(node_id)
+
+    def kill_node(self, k: int) -> None:
+        """The node disappears at once: raylet and every process on it."""
+        import signal
+
+        try:
+            os.killpg(self.nodes[k].pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
     def _run(self):
         while not self._stop.is_set():
@@ -68,30 +107,66 @@ class Harness:
                     continue
                 self.done.add(req)
                 ev = json.load(open(req))
-                node = self._node(ev["node_id"])
+                k = self._node_index(ev["node_id"])
                 t = time.time()
+                self.add_node()  # the replacement an autoscaler would bring
                 if ev["action"] == "REMOVE_NODE":
-                    self.add_spare()  # the replacement the autoscaler would bring
-                    self.cluster.remove_node(node, allow_graceful=False)
+                    self.kill_node(k)
                 else:
                     import ray
                     from ray.core.generated import autoscaler_pb2
 
-                    gcs = ray._raylet.GcsClient(address=self.cluster.gcs_address)
+                    gcs = ray._raylet.GcsClient(address=self.address)
                     deadline_ms = int((time.time() + self.deadline_s) * 1000)
-                    gcs.drain_node(node.node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+                    gcs.drain_node(ev["node_id"], autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
                                    "chaos drill: spot interruption notice", deadline_ms)
-                    self.add_spare()
-                    threading.Timer(self.deadline_s + 1, self.cluster.remove_node, args=(node, False)).start()
-                self.log.append({"action": ev["action"], "node_id": node.node_id, "time": t})
+                    threading.Timer(self.deadline_s + 1, self.kill_node, args=(k,)).start()
+                self.log.append({"action": ev["action"], "node_id": ev["node_id"], "time": t})
             time.sleep(0.2)
 
-    def start(self):
+    def watch(self, marker: str) -> "Harness":
+        self.marker = marker
+        self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
         return self
 
-    def stop(self):
+    def down(self):
+        import signal
+
         self._stop.set()
+        for k in list(self.nodes):
+            self.kill_node(k)
+        try:
+            os.killpg(self.head.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _ray_ok(address: str) -> bool:
+    import socket
+
+    host, port = address.split(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=0.5).close()
+        return True
+    except OSError:
+        return False
+
+
+def _wait(cond, timeout: float, what: str) -> None:
+    t = time.time() + timeout
+    while not cond():
+        if time.time() > t:
+            raise RuntimeError(what)
+        time.sleep(0.5)
 
 
 def main(argv=None) -> int:
@@ -112,18 +187,19 @@ def main(argv=None) -> int:
     ap.add_argument("override", nargs="*", help="extra dotted config overrides")
     args = ap.parse_args(argv)
 
+    # Before Ray is imported, which reads them. Ray's token authentication (pitfalls #2): the nodes
+    # and this driver must agree on the mode.
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
     import ray
-    from ray.cluster_utils import Cluster
 
     from raytrain.trainer import train
 
-    os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
-    for _ in range(2):
-        cluster.add_node(num_cpus=1, resources={"trainer": 1})
-    ray.init(address=cluster.address, log_to_driver=True)
+    harness = Harness(args.drain_deadline).up(workers=2)
+    ray.init(address=harness.address, log_to_driver=True)
+    _wait(lambda: sum(n["Alive"] for n in ray.nodes()) >= 3, 120, "worker nodes did not join")
     marker = os.path.join(tempfile.mkdtemp(prefix="raytrain-chaos-"), "event")
-    harness = Harness(cluster, marker, args.drain_deadline).start()
+    harness.watch(marker)
     rng = random.Random(args.seed)
     busy = {args.remove_node_at, args.drain_at}
     kill_steps = sorted(rng.sample([s for s in range(2, args.steps) if s not in busy], args.kills))
@@ -150,9 +226,8 @@ def main(argv=None) -> int:
         result["summary"] = summary
         result["recovery"] = _recovery(cfg.run_uri, events, marker)
     finally:
-        harness.stop()
         ray.shutdown()
-        cluster.shutdown()
+        harness.down()
     if args.baseline:
         b, c = result["baseline"], result["chaos"]
         result["same_batches"] = all(b[s]["crc"] == c[s]["crc"] for s in b) and set(b) == set(c)

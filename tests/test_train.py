@@ -149,3 +149,22 @@ def test_workers_taking_every_cpu_fail_clearly_instead_of_hanging(ray_cluster, t
     with pytest.raises(UserError, match="no training data arrived for 20s .* need free CPUs"):
         train(cfg, log=lambda *_: None)
     assert not list(tmp_path.rglob("checkpoint_*"))
+
+
+def test_corrupt_newest_checkpoint_resumes_from_the_previous_one(ray_cluster, tiny_data, tmp_path, baseline):
+    """A byte flipped in place in the newest checkpoint (same size, so only its sha256 tells): the resumed
+    run skips it, resumes from the one before, and still matches the uninterrupted run."""
+    _, want = baseline
+    cfg = tiny_cfg(tiny_data, tmp_path, "corrupt", "run.max_steps=12", "checkpoint.every_n_steps=4")
+    with pytest.raises(Exception):  # dies at step 9, after checkpoint 8 was committed
+        train(cfg, log=lambda *_: None, inject={"crash_at_step": 9, "marker": str(tmp_path / "died")})
+    shard = tmp_path / "corrupt" / "checkpoint_00000008" / "engine" / "mp_rank_00_model_states.pt"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    train(cfg, log=lambda *_: None)
+    attempts = [json.loads(x) for x in (tmp_path / "corrupt" / "attempts.jsonl").read_text().splitlines()]
+    assert [a["resumed_step"] for a in attempts] == [0, 4]
+    got = _losses(cfg.run_uri)
+    for step in range(5, 13):
+        assert got[step] == pytest.approx(want[step], abs=1e-5), step

@@ -212,7 +212,7 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
-def find_resume_point(run_uri: str, rank: int):
+def find_resume_point(run_uri: str, rank: int, deep: bool = True):
     """Rank 0 picks the newest committed checkpoint and every rank gets the same answer."""
     import torch.distributed as dist
 
@@ -221,7 +221,8 @@ def find_resume_point(run_uri: str, rank: int):
 
     choice = [None]
     if rank == 0:
-        info = checkpoints.latest_complete(run_uri, log=say)
+        # Checksums too by default: a file corrupted in place keeps its size.
+        info = checkpoints.latest_complete(run_uri, log=say, deep=deep)
         choice[0] = info.uri if info else None
     if dist.is_initialized():
         dist.broadcast_object_list(choice, src=0)

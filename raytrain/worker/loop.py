@@ -19,7 +19,7 @@ from raytrain.config import Config
 from raytrain.data.manifest import Split
 from raytrain.data.stream import SampleStream
 from raytrain.ds_config import build_ds_config, lr_lambda, resolve_dtype
-from raytrain.model import build_model, flops_per_token, param_count
+from raytrain.model import build_model, flops_per_token, moe_aux_loss, param_count
 from raytrain.worker import checkpoint as ckpt
 from raytrain.worker.evaluate import Evaluator, lm_loss
 from raytrain.worker.preemption import PreemptionNotice
@@ -78,7 +78,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     # restart inside one job or the same run submitted again. (Ray's own registry can miss the newest
     # one when a worker dies right after uploading; our manifests cannot.) A checkpoint written by
     # another number of workers is loaded through DeepSpeed's universal format.
-    resumed = ckpt.find_resume_point(cfg.run_uri, rank)
+    resumed = ckpt.find_resume_point(cfg.run_uri, rank, deep=cfg.checkpoint.verify_on_resume == "checksum")
     resharding = resumed is not None and ckpt.peek_state(resumed).world_size != world
 
     # Model and engine. DeepSpeed reuses the process group Ray Train already set up.
@@ -115,7 +115,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     # The checkpoint this attempt resumed from is never pruned while it runs.
     writer = ckpt.CheckpointWriter(cfg.checkpoint, cfg.run_uri, rank, world,
                                    protect=(f"{cfg.run_uri}/{ckpt.dir_name(state.step)}",) if resumed else ())
-    notice = PreemptionNotice(rank, world, cfg.checkpoint.preemption_check_every, cfg.checkpoint.on_preemption)
+    notice = PreemptionNotice(rank, world, cfg.checkpoint.preemption_check_s, cfg.checkpoint.on_preemption)
     config_yaml = cfg.to_yaml()
     mb, acc, gb, seq = cfg.batch.micro_batch_size, cfg.accumulation, cfg.global_batch, cfg.model.seq_len
     fpt = flops_per_token(n_params, cfg.model)
@@ -145,16 +145,19 @@ def train_loop_per_worker(loop_config: dict) -> None:
         data_wait += (waited := time.perf_counter() - t0)
         tel.timer.add("data_wait", waited)
         loss_sum = torch.zeros((), device=device)
+        aux_sum = torch.zeros((), device=device)  # MoE router load-balancing loss, logged as aux_loss
         with oom_guard(cfg, world, cuda):
             for a in range(acc):
                 rows = batch[(a * world + rank) * mb:(a * world + rank + 1) * mb]
                 x = torch.from_numpy(np.ascontiguousarray(rows)).to(device, non_blocking=True)
                 with tel.timer("forward_backward"):
                     loss = poison(state.samples_seen, lm_loss(engine, x))
-                    engine.backward(loss)
+                    aux = moe_aux_loss(engine.module)
+                    engine.backward(loss if aux is None else loss + cfg.model.moe_aux_loss_coef * aux)
                 with tel.timer("optimizer"):
                     engine.step()  # DeepSpeed only updates at the accumulation boundary
                 loss_sum += loss.detach().float()
+                aux_sum += aux.detach().float() if aux is not None else 0.0
         state.step += 1
         crash_at(state.step)
         # Every step, one scalar all-reduce: all ranks judge the same loss, so all take the same action.
@@ -188,6 +191,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
         if do_log:
             # Collective: every rank computes the same do_log, so this all-reduce never hangs.
             rec["loss"] = step_loss
+            if cfg.model.family == "mixtral":
+                rec["aux_loss"] = _mean_across_ranks(aux_sum / acc, world)
             dt = time.perf_counter() - window_t
             tps = window_steps * gb * seq / dt
             grad_norm = engine.get_global_grad_norm()

@@ -22,8 +22,9 @@ from raytrain.worker.runlog import say
 
 
 class PreemptionNotice:
-    def __init__(self, rank: int, world: int, check_every: int, enabled: bool = True):
-        self.rank, self.world, self.check_every, self.enabled = rank, world, check_every, enabled
+    def __init__(self, rank: int, world: int, check_s: float, enabled: bool = True):
+        self.rank, self.world, self.check_s, self.enabled = rank, world, check_s, enabled
+        self._last_check = time.monotonic()
         self.sigterm = _SIGTERM
         self._drain_seen = self._sigterm_seen = False
         self.deadline_ms: Optional[int] = None
@@ -47,16 +48,25 @@ class PreemptionNotice:
         """Called by every rank after every step; returns a reason once per new notice, else None."""
         if not self.enabled:
             return None
-        flag = torch.tensor([1 if self.sigterm.is_set() else 0], dtype=torch.int32)
+        # [any rank got SIGTERM, rank 0's clock says it is time to ask Ray]: one all-reduce carries both,
+        # so the (barrier) query to Ray happens on every rank at the same step, every check_s seconds.
+        due = self.rank == 0 and not self._drain_seen and time.monotonic() - self._last_check >= self.check_s
+        flag = torch.tensor([1 if self.sigterm.is_set() else 0, 1 if due else 0], dtype=torch.int32)
         if self.world > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() and not self._sigterm_seen:
+        sigterm, due = flag.tolist()
+        if sigterm and not self._sigterm_seen:
             self._sigterm_seen = True
             return "SIGTERM"
-        if step % self.check_every == 0 and not self._drain_seen:
+        if due:
+            self._last_check = time.monotonic()
             import ray.train
 
-            info = ray.train.get_preemption_info()
+            try:
+                info = ray.train.get_preemption_info()
+            except Exception as e:  # noqa: BLE001 - same error on every rank (e.g. no Train context), so safe
+                say(f"warning: rank {self.rank}: preemption notices unavailable ({_first_line(e)}); SIGTERM still works")
+                self._drain_seen, info = True, None
             if info is not None:
                 self._drain_seen = True
                 self.deadline_ms = info.deadline_ms
