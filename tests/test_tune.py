@@ -2,15 +2,21 @@
 
 Quick tests: the sweep config's errors name their key; the micro-batch searcher's stopping rule; the
 memory estimate. Slow tests: a micro-batch sweep where one trial exceeds the memory cap (infeasible, the
-sweep completes and names the best setting, whose written config then trains as is); an ASHA sweep of
-4 trials of which at least one is stopped early.
+sweep completes and names the best setting, whose written config then trains as is), with its driver
+killed after the first trial and the sweep resumed; an ASHA sweep of 4 trials of which at least one is
+stopped early.
 """
 
 import csv
 import json
 import math
+import os
+import subprocess
+import sys
+import time
 
 import pytest
+import ray
 
 from raytrain.cli import main
 from raytrain.errors import UserError
@@ -85,15 +91,27 @@ def test_memory_estimate_grows_with_micro_batch(tiny_data):
 
 
 @pytest.mark.slow
-def test_microbatch_sweep_with_memory_cap_then_train_best(ray_cluster, tiny_data, tmp_path, capsys):
-    args = [*_data(tiny_data), *TINY, "batch.global_batch_size=16", "run.max_steps=6", f"storage={tmp_path}/sweeps",
-            f"checkpoint.storage={tmp_path}/runs", "name=mb", "budget.max_steps=6", "trial_overrides.run.log_every=2",
+def test_microbatch_sweep_with_memory_cap_resume_then_train_best(ray_cluster, tiny_data, tmp_path, capsys):
+    args = [*_data(tiny_data), *TINY, "batch.global_batch_size=16", "run.max_steps=4", f"storage={tmp_path}/sweeps",
+            f"checkpoint.storage={tmp_path}/runs", "name=mb", "budget.max_steps=4", "trial_overrides.run.log_every=2",
             "microbatch.plateau_pct=null"]
     spec = load_spec("tune_configs/microbatch_throughput.yaml", args)
     est = {m: estimate_mb(trial_config(spec, {"batch.micro_batch_size": m}), 300)["total_mb"] for m in (2, 4)}
     cap = (est[2] + est[4]) / 2  # micro-batch 4 and up do not fit
-    assert main(["tune", "--config", "tune_configs/microbatch_throughput.yaml", *args,
-                 f"microbatch.memory_cap_mb={cap}"]) == 0
+    cmd = ["tune", "--config", "tune_configs/microbatch_throughput.yaml", *args, f"microbatch.memory_cap_mb={cap}"]
+    # The sweep's driver dies (SIGKILL) once the first trial has finished; --resume continues the sweep.
+    # The driver joins the session's cluster as its own job, as `ray job submit` would run it.
+    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    driver = subprocess.Popen([sys.executable, "-m", "raytrain", *cmd], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, env=env)
+    deadline = time.time() + 600
+    while not list((tmp_path / "sweeps" / "mb" / "trials").glob("*/summary.json")) and driver.poll() is None:
+        assert time.time() < deadline, "the first trial did not finish"
+        time.sleep(1)
+    driver.kill()
+    assert driver.wait() != 0, "the driver finished before it could be killed"
+    assert main(["tune", "--config", "tune_configs/microbatch_throughput.yaml", *args]) == 2  # exists: needs --resume
+    assert main([*cmd, "--resume"]) == 0
     out = capsys.readouterr().out
     res = json.loads((tmp_path / "sweeps" / "mb" / "results.json").read_text())
     by_mb = {t["micro_batch_size"]: t for t in res["trials"]}
@@ -115,14 +133,14 @@ def test_microbatch_sweep_with_memory_cap_then_train_best(ray_cluster, tiny_data
     assert main(["train", "--config", path]) == 0
     run = tmp_path / "runs" / "mb-best"
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["steps"] == 6
+    assert summary["steps"] == 4
     trained = (run / "config.yaml").read_text()
     assert f"micro_batch_size: {best['micro_batch_size']}" in trained and "global_batch_size: 16" in trained
 
 
 @pytest.mark.slow
 def test_asha_lr_sweep_stops_a_trial_early(ray_cluster, tiny_data, tmp_path):
-    args = [*_data(tiny_data), *TINY, f"storage={tmp_path}", "name=asha", "budget.max_steps=12",
+    args = [*_data(tiny_data), *TINY, f"storage={tmp_path}", "name=asha", "budget.max_steps=8",
             "budget.num_samples=4", "scheduler.grace_period=2", "trial_overrides.run.eval_every=2",
             "trial_overrides.run.log_every=2", "trial_overrides.checkpoint.every_n_steps=100",
             "space.optim.warmup_steps={choice: [0, 4, 30]}"]
@@ -131,9 +149,9 @@ def test_asha_lr_sweep_stops_a_trial_early(ray_cluster, tiny_data, tmp_path):
     trials = res["trials"]
     assert len(trials) == 4 and not [t for t in trials if t["status"] == "error"]
     stopped = [t for t in trials if t["status"] == "stopped"]
-    assert stopped and all(t["step"] < 12 for t in stopped), trials
+    assert stopped and all(t["step"] < 8 for t in stopped), trials
     done = [t for t in trials if t["status"] == "completed"]
-    assert done and all(t["step"] == 12 for t in done)
+    assert done and all(t["step"] == 8 for t in done)
     assert [t["val_loss"] for t in done] == sorted(t["val_loss"] for t in done)
     assert res["best"]["trial"] == done[0]["trial"]
     assert 1e-4 <= res["best"]["settings"]["optim.lr"] <= 1e-2

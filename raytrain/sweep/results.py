@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 from raytrain import storage
 from raytrain.config import load_config
-from raytrain.sweep.spec import SweepSpec, base_config, microbatch_grid
+from raytrain.sweep.spec import SweepSpec, base_config, microbatch_grid, trial_config
 
 _ORDER = {"completed": 0, "stopped": 1, "infeasible": 2, "error": 3}
 _COLUMNS = ("step", "micro_batch_size", "accumulation", "tokens_per_s", "tflops_per_worker", "val_loss", "val_ppl",
@@ -25,6 +25,7 @@ def _num(v: Any) -> Optional[float]:
 def rows_from(result_grid, spec: SweepSpec) -> list[dict]:
     """One dict per trial: settings, objective value, status (completed / stopped / infeasible / error)."""
     metric, rows = spec.objective.metric, []
+    budget = trial_config(spec, {}).run.max_steps
     for r in result_grid:
         m = r.metrics or {}
         row: dict[str, Any] = {"trial": m.get("trial_id") or str(r.path).rstrip("/").rsplit("/", 1)[-1],
@@ -34,7 +35,7 @@ def rows_from(result_grid, spec: SweepSpec) -> list[dict]:
             row["status"], row["detail"] = "error", (str(r.error).strip().splitlines() or ["?"])[-1][:200]
         elif m.get("infeasible"):
             row["status"], row["detail"] = "infeasible", m.get("reason", "")
-        elif m.get("final"):
+        elif m.get("final") or (m.get("step") or 0) >= budget:
             row["status"], row["detail"] = "completed", ""
         else:
             # The trial's last result is an intermediate one: the scheduler stopped it there.
@@ -128,6 +129,7 @@ def throughput_png(rows: list[dict], spec: SweepSpec, summary: dict) -> bytes:
     for x in bad:
         ax.axvline(x, color="tab:red", linestyle="--", label=f"infeasible (memory) mb={x}")
     ax.set_xscale("log", base=2)
+    ax.set_xticks(summary["grid"], [str(m) for m in summary["grid"]])
     ax.set_xlabel("micro-batch size (global batch fixed)")
     ax.set_ylabel(metric)
     ax.set_title(f"{spec.name}: {summary['trials_used']} trials of a {summary['grid_size']}-point grid")
@@ -153,7 +155,12 @@ def write_all(rows: list[dict], spec: SweepSpec, sweep_dir: str) -> dict:
     if best is not None:
         out["best"] = best
         out["best_config"] = storage.join(sweep_dir, "best_config.yaml")
-        storage.write_text(out["best_config"], best_config_yaml(spec, best))
+        text = best_config_yaml(spec, best)
+        storage.write_text(out["best_config"], text)
+        if storage.is_remote(sweep_dir):
+            # `raytrain train --config` reads local files: keep a copy next to where the sweep was started.
+            out["best_config"] = storage.absolute(f"{spec.name}.best_config.yaml")
+            storage.write_text(out["best_config"], text)
     storage.write_text(storage.join(sweep_dir, "results.csv"), to_csv(rows, spec))
     storage.write_text(storage.join(sweep_dir, "results.json"), json.dumps(out, indent=1, default=str))
     return out

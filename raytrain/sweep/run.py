@@ -83,7 +83,8 @@ def run_sweep(spec: SweepSpec, resume: bool = False, log: Callable[[str], None] 
                 log(f"[raytrain] sweep {spec.name}: micro-batch over {grid} (global batch {probe.global_batch} "
                     f"fixed), one trial at a time, stop on a <{spec.microbatch.plateau_pct}% gain or memory")
             else:
-                search_alg = BasicVariantGenerator(random_state=spec.search.seed)
+                # The variant generator enforces its own limit (Tune ignores max_concurrent_trials for it).
+                search_alg = BasicVariantGenerator(random_state=spec.search.seed, max_concurrent=n)
                 space, samples = param_space(spec), spec.budget.num_samples
                 log(f"[raytrain] sweep {spec.name}: {method} search, {samples} sample(s) of {', '.join(spec.space)}; "
                     f"{n} trial(s) at a time ({probe.scaling.num_workers} workers + {probe.scaling.data_cpus:g} "
@@ -94,7 +95,8 @@ def run_sweep(spec: SweepSpec, resume: bool = False, log: Callable[[str], None] 
             tuner = tune.Tuner(
                 trainable, param_space=space,
                 tune_config=tune.TuneConfig(metric=spec.objective.metric, mode=spec.mode, search_alg=search_alg,
-                                            scheduler=scheduler, num_samples=samples, max_concurrent_trials=n,
+                                            scheduler=scheduler, num_samples=samples,
+                                            max_concurrent_trials=n if method == "microbatch" else None,
                                             reuse_actors=False, trial_dirname_creator=_trial_dirname),
                 run_config=tune.RunConfig(name=spec.name, storage_path=root, storage_filesystem=fs, verbose=1),
             )

@@ -4,7 +4,7 @@ Ray 2.60's Tune/Train v2 pattern: the Tune trial is only a driver that calls `tr
 workers' metric reports reach Tune through a Train callback (TuneReportCallback). Two things are added:
 
 * Only reports that carry the objective go to Tune (checkpoint-only steps have no val_loss, and Tune
-  rejects a result without its metric).
+  rejects a result without its metric); the last step arrives as the trial's final report.
 * A trial that Tune stops (ASHA) aborts its Train run first. Otherwise the run's placement group outlives
   the trial: Train's own cleaner needs the dashboard's state API, and without it the CPUs stay reserved
   and later trials wait forever.
@@ -33,14 +33,17 @@ _OOM_MARKERS = ("out of memory", "outofmemoryerror", "can't allocate memory", "m
 
 
 class _ReportObjective(TuneReportCallback):
-    """TuneReportCallback that forwards only reports carrying the objective metric."""
+    """TuneReportCallback that forwards only intermediate reports carrying the objective metric.
 
-    def __init__(self, metric: str):
+    The last step is left to the trial's own final report: a scheduler stops a trial that reaches its
+    max_t, which would abort the run before it writes its summary."""
+
+    def __init__(self, metric: str, max_steps: int):
         super().__init__()
-        self._metric = metric
+        self._metric, self._max_steps = metric, max_steps
 
     def after_report(self, run_context, metrics, checkpoint):
-        if metrics and self._metric in metrics[0]:
+        if metrics and self._metric in metrics[0] and metrics[0].get("step", 0) < self._max_steps:
             super().after_report(run_context, metrics, checkpoint)
 
     def drain(self, timeout_s: float = 30.0) -> None:
@@ -117,11 +120,11 @@ def run_trial(config: dict, spec_dict: dict, sweep_dir: str) -> None:
         info["memory_est_mb"] = round(est, 1)
         if est > cap:
             tune.report({**info, metric: float("nan"), "infeasible": True,
-                         "reason": f"estimated {est:.0f} MB per worker > microbatch.memory_cap_mb={cap:g}"})
+                         "reason": f"estimated {est:.4g} MB per worker > microbatch.memory_cap_mb={cap:.4g}"})
             return
 
     queue = _RUN["queue"] = Queue(maxsize=1, actor_options={"num_cpus": 0})
-    forward = _ReportObjective(metric)
+    forward = _ReportObjective(metric, cfg.run.max_steps)
     try:
         summary = train(cfg, log=print, callbacks=[forward, _AnnounceController(queue)])
     except Exception as e:  # noqa: BLE001 - out of memory is an outcome of the search, not a crash
