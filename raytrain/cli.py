@@ -36,14 +36,6 @@ def _cmd_data(args) -> int:
     return 0
 
 
-def _cmd_tune(args) -> int:
-    from raytrain.sweep.run import run_sweep
-    from raytrain.sweep.spec import load_spec
-
-    run_sweep(load_spec(args.config, args.overrides), resume=args.resume)
-    return 0
-
-
 def _cmd_config(args) -> int:
     from raytrain.config import load_config, reference_markdown
 
@@ -86,13 +78,16 @@ def _cmd_ckpt(args) -> int:
 
 
 def _cmd_plan(args) -> int:
+    import contextlib
+
     from raytrain.plan import format_plan, make_plan, parse_tokens
 
-    plan = make_plan(args.model, args.gpu, args.gpus, seq_len=args.seq_len,
-                     tokens=parse_tokens(args.tokens) if args.tokens else None, micro_batch=args.micro_batch,
-                     mfu=args.mfu, gpus_per_node=args.gpus_per_node, global_batch_tokens=args.global_batch_tokens,
-                     vocab=args.vocab, price_on_demand=args.price_on_demand, price_spot=args.price_spot,
-                     host_memory_gib=args.host_memory_gib)
+    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's import-time log lines must not mix into --json
+        plan = make_plan(args.model, args.gpu, args.gpus, seq_len=args.seq_len,
+                         tokens=parse_tokens(args.tokens) if args.tokens else None, micro_batch=args.micro_batch,
+                         mfu=args.mfu, gpus_per_node=args.gpus_per_node, global_batch_tokens=args.global_batch_tokens,
+                         vocab=args.vocab, price_on_demand=args.price_on_demand, price_spot=args.price_spot,
+                         host_memory_gib=args.host_memory_gib)
     print(json.dumps(plan.to_dict(), indent=1) if args.json else format_plan(plan))
     return 0
 
@@ -345,12 +340,6 @@ def build_parser() -> argparse.ArgumentParser:
                     "Young-Daly interval (default: observed in this run)")
     co.add_argument("--json", action="store_true")
     co.set_defaults(fn=_cmd_cost)
-    tu = sub.add_parser("tune", help="Ray Tune sweep of training runs (micro-batch throughput, lr/warmup with ASHA)")
-    tu.add_argument("--config", "-c", required=True, help="tune config: tune_configs/NAME.yaml (or NAME)")
-    tu.add_argument("--resume", action="store_true", help="continue the sweep whose driver died (Tuner.restore)")
-    tu.add_argument("overrides", nargs="*", help="training keys (data.train=..., model.n_layer=2) or tune config "
-                    "keys (budget.max_steps=20, microbatch.memory_cap_mb=4000)")
-    tu.set_defaults(fn=_cmd_tune)
     c = sub.add_parser("config", help="print the resolved config")
     c.add_argument("--config", "-c", default="tiny")
     c.add_argument("--reference", action="store_true", help="print every config key as Markdown")

@@ -20,16 +20,22 @@ def hf_config(cfg: ModelConfig, vocab_size: int, eot_id: Optional[int] = None):
             attn_pdrop=cfg.dropout, initializer_range=cfg.init_std, tie_word_embeddings=cfg.tie_embeddings,
             use_cache=False, bos_token_id=eot_id, eos_token_id=eot_id,
         )
-    from transformers import LlamaConfig
+    from transformers import LlamaConfig, MixtralConfig
 
     inter = cfg.intermediate_size or 256 * ((int(8 * cfg.hidden_size / 3) + 255) // 256)
-    return LlamaConfig(
+    common = dict(
         vocab_size=vocab_size, hidden_size=cfg.hidden_size, intermediate_size=inter,
         num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head,
         num_key_value_heads=cfg.n_kv_head or cfg.n_head, max_position_embeddings=cfg.seq_len,
         attention_dropout=cfg.dropout, initializer_range=cfg.init_std, tie_word_embeddings=cfg.tie_embeddings,
         use_cache=False, bos_token_id=eot_id, eos_token_id=eot_id, pad_token_id=None,
     )
+    if cfg.family == "mixtral":
+        # output_router_logits: the forward returns the router's load-balancing loss (aux_loss), which
+        # the training loop adds to the LM loss with moe_aux_loss_coef and logs.
+        return MixtralConfig(**common, num_local_experts=cfg.moe_experts, num_experts_per_tok=cfg.moe_top_k,
+                             router_aux_loss_coef=cfg.moe_aux_loss_coef, output_router_logits=True)
+    return LlamaConfig(**common)
 
 
 def build_model(cfg: ModelConfig, vocab_size: int, seed: int, eot_id: Optional[int] = None) -> torch.nn.Module:
@@ -37,10 +43,102 @@ def build_model(cfg: ModelConfig, vocab_size: int, seed: int, eot_id: Optional[i
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config(cfg, vocab_size, eot_id), attn_implementation=cfg.attn_implementation)
+    if cfg.init_from:  # fine-tuning: the weights (and shape) of a Hugging Face model directory
+        drop = ({"resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout}
+                if cfg.family == "gpt2" else {"attention_dropout": cfg.dropout})
+        model = AutoModelForCausalLM.from_pretrained(local_model_dir(cfg.init_from), dtype=torch.float32,
+                                                     attn_implementation=cfg.attn_implementation, **drop)
+        model.config.use_cache = False
+    else:
+        model = AutoModelForCausalLM.from_config(hf_config(cfg, vocab_size, eot_id), attn_implementation=cfg.attn_implementation)
     if cfg.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.family == "mixtral":
+        model.register_forward_hook(_keep_aux_loss)
     return model
+
+
+def _keep_aux_loss(module, args, output) -> None:
+    module.raytrain_aux_loss = output.aux_loss
+
+
+def moe_aux_loss(module: torch.nn.Module) -> Optional[torch.Tensor]:
+    """The router's load-balancing loss of the module's latest forward (MoE families), else None.
+
+    Kept by a forward hook, so the loss function and the engine stay family-agnostic.
+    """
+    return getattr(module, "raytrain_aux_loss", None)
+
+
+def local_model_dir(uri: str) -> str:
+    """A Hugging Face model directory as a local path: s3:// ones are downloaded once per process."""
+    from raytrain import storage
+
+    if not storage.is_remote(uri):
+        return storage.absolute(uri)
+    if uri not in _DOWNLOADED:
+        import tempfile
+
+        _DOWNLOADED[uri] = storage.download_dir(uri, tempfile.mkdtemp(prefix="raytrain-model-"))
+    return _DOWNLOADED[uri]
+
+
+_DOWNLOADED: dict[str, str] = {}
+
+# Our model.* fields as named in each family's Hugging Face config.
+_HF_FIELDS = {
+    "gpt2": {"n_layer": "n_layer", "hidden_size": "n_embd", "n_head": "n_head", "intermediate_size": "n_inner",
+             "vocab_size": "vocab_size", "tie_embeddings": "tie_word_embeddings"},
+    "llama": {"n_layer": "num_hidden_layers", "hidden_size": "hidden_size", "n_head": "num_attention_heads",
+              "n_kv_head": "num_key_value_heads", "intermediate_size": "intermediate_size",
+              "vocab_size": "vocab_size", "tie_embeddings": "tie_word_embeddings"},
+}
+_HF_FIELDS["mixtral"] = {**_HF_FIELDS["llama"], "moe_experts": "num_local_experts", "moe_top_k": "num_experts_per_tok"}
+
+
+def apply_init_from(cfg, train_tokenizer_uri: str, log=print):
+    """Driver side, before workers start: a fine-tuning run takes its model shape from the init_from
+    model's config.json, and its data must have been tokenized with that model's tokenizer."""
+    import json
+
+    from raytrain import storage
+    from raytrain.errors import UserError
+
+    src = cfg.model.init_from
+    if not src:
+        return cfg
+    src = storage.absolute(src)
+    curi = storage.join(src, "config.json")
+    if not storage.exists(curi):
+        raise UserError(f"model.init_from={src}: no config.json there; point it at a Hugging Face model "
+                        f"directory (e.g. the --out of `raytrain export`)")
+    hf = json.loads(storage.read_text(curi))
+    family = hf.get("model_type")
+    if family not in _HF_FIELDS:
+        raise UserError(f"model.init_from={src} is a {family!r} model; raytrain fine-tunes {', '.join(_HF_FIELDS)} models")
+    update = {"family": family, "init_from": src}
+    for ours, theirs in _HF_FIELDS[family].items():
+        if theirs in hf and ours in type(cfg.model).model_fields:
+            update[ours] = hf[theirs]
+    limit = hf.get("n_positions") or hf.get("max_position_embeddings")
+    if limit and cfg.model.seq_len > limit:
+        raise UserError(f"model.seq_len={cfg.model.seq_len} exceeds model.init_from's context of {limit} tokens; "
+                        f"prepare the data with seq_len<={limit}")
+    tok_uri = storage.join(src, "tokenizer.json")
+    if storage.exists(tok_uri):
+        from tokenizers import Tokenizer
+
+        theirs = Tokenizer.from_str(storage.read_text(tok_uri)).get_vocab()
+        ours = Tokenizer.from_str(storage.read_text(train_tokenizer_uri)).get_vocab()
+        if theirs != ours:
+            raise UserError(f"data.train was tokenized with {train_tokenizer_uri}, not with model.init_from's "
+                            f"tokenizer; prepare it again with tokenizer={tok_uri}")
+    changed = {k: v for k, v in update.items() if getattr(cfg.model, k) != v and k != "init_from"}
+    if changed:
+        log(f"[raytrain] model.init_from={src}: model shape from its config.json: "
+            + ", ".join(f"model.{k}={v}" for k, v in changed.items()))
+    model = cfg.model.model_validate({**cfg.model.model_dump(), **update})
+    return cfg.model_copy(update={"model": model})
 
 
 def param_count(model: torch.nn.Module) -> int:

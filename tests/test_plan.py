@@ -1,0 +1,148 @@
+"""`raytrain plan`: DeepSpeed's estimators reproduced, memory checked against a real DeepSpeed step, the 10B case."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from raytrain.cli import main
+from raytrain.config import load_config
+from raytrain.errors import UserError
+from raytrain.model import build_model, param_count
+from raytrain.plan import activation_bytes, make_plan, model_config_for, model_states_bytes, parse_tokens, shape_of
+
+GIB = 2**30
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "mixtral"])
+def test_param_count_is_the_built_models(family):
+    cfg = load_config("tiny", [f"model.family={family}", "model.n_layer=2", "model.hidden_size=64", "model.n_head=4",
+                               "model.moe_experts=4"]).model
+    shape = shape_of(cfg, vocab=300)
+    assert shape.params == param_count(build_model(cfg, 300, seed=0))
+    if family == "mixtral":  # top-2 of 4 experts: half the expert weights are active per token
+        assert shape.params > shape.active_params > shape.params / 2
+    else:
+        assert shape.active_params == shape.params
+
+
+@pytest.mark.parametrize("gpus,per_node", [(1, 1), (8, 8), (64, 8)])
+def test_model_states_are_deepspeeds_estimates(gpus, per_node):
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    shape = shape_of(model_config_for("1b"))
+    nodes = gpus // per_node
+    cpu, dev = estimate_zero2_model_states_mem_needs(shape.params, per_node, nodes, cpu_offload=False)
+    assert model_states_bytes(shape, 2, False, False, gpus, per_node) == (dev, cpu)
+    cpu, dev = estimate_zero2_model_states_mem_needs(shape.params, per_node, nodes, cpu_offload=True)
+    assert model_states_bytes(shape, 2, True, False, gpus, per_node) == (dev, cpu)
+    for off_o, off_p in [(False, False), (True, False), (True, True)]:
+        cpu, dev, _ = estimate_zero3_model_states_mem_needs(shape.params, shape.largest_layer_params, per_node, nodes,
+                                                            cpu_offload=off_o, cpu_offload_params=off_p,
+                                                            zero_init=False)
+        assert model_states_bytes(shape, 3, off_o, off_p, gpus, per_node) == (dev, cpu)
+    # The textbook numbers: 16-bit params + 18 bytes/param of grads and Adam states, sharded by ZeRO-3.
+    assert model_states_bytes(shape, 3, False, False, gpus, per_node)[0] == pytest.approx(
+        4 * shape.largest_layer_params + 18 * shape.params / gpus, abs=1)
+    assert model_states_bytes(shape, 0, False, False, gpus, per_node)[0] == 20 * shape.params
+
+
+def test_10b_needs_about_eight_80gb_a100s_with_zero3():
+    plan = make_plan("10b", "a100-80gb", 8, tokens=parse_tokens("200B"))
+    assert 9.5e9 < plan.params < 10.5e9
+    # Unsharded it fits nowhere; ZeRO-3 needs a handful of 80 GB GPUs: on the order of eight.
+    assert plan.fewest_gpus["zero0"] is None
+    assert 4 <= plan.fewest_gpus["zero3"] <= 16
+    z3 = next(o for o in plan.options if o.strategy == "zero3")
+    assert z3.fits and z3.max_micro_batch >= 1
+    assert not make_plan("10b", "a100-80gb", 2).options[3].fits  # zero3 on 2 GPUs: 90 GB of states alone
+    r = plan.recommended
+    assert r["zero_stage"] == 3 and r["nodes"] == 1 and r["micro_batch_size"] >= 1
+    assert r["global_batch_tokens"] == pytest.approx(2**20, rel=0.5)
+    # Throughput from the MFU assumption and the time / cost arithmetic.
+    fpt = plan.assumptions["flops_per_token"]
+    assert r["tokens_per_s"] == pytest.approx(0.4 * 0.9 * 312e12 * 8 / fpt)
+    assert r["wall_clock_h"] == pytest.approx(200e9 / r["tokens_per_s"] / 3600)
+    assert r["cost_spot_usd"] < r["cost_on_demand_usd"] == pytest.approx(r["gpu_hours"] * 3.40)
+
+
+def test_cli_plan_table_and_json(capsys):
+    assert main(["plan", "--model", "124m", "--gpu", "h100", "--gpus", "1", "--tokens", "2.5B", "--json",
+                 "--price-spot", "1.0"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert 123e6 < out["params"] < 126e6 and out["recommended"]["zero_stage"] in (0, 1, 2)
+    assert out["recommended"]["cost_spot_usd"] == pytest.approx(out["recommended"]["gpu_hours"] * 1.0)
+    # Mixtral 8x7B: every rank first builds the whole 187 GB fp32 model on its host (no zero.Init), 8 per node.
+    assert main(["plan", "--model", "8x7b", "--gpu", "h200", "--gpus", "16"]) == 0
+    assert "nothing fits" in (text := capsys.readouterr().out) and "--host-memory-gib" in text
+    assert main(["plan", "--model", "8x7b", "--gpu", "h200", "--gpus", "16", "--host-memory-gib", "4096"]) == 0
+    text = capsys.readouterr().out
+    assert "active per token" in text and "recommended:" in text and "zero3" in text
+    assert main(["plan", "--model", "11b", "--gpu", "h100", "--gpus", "1"]) == 2
+    assert "not a known size" in capsys.readouterr().err
+    with pytest.raises(UserError, match="--gpu 'tpu'"):
+        make_plan("1b", "tpu", 1)
+
+
+# Runs in a fresh process: a 1-rank gloo group, the real raytrain model and DeepSpeed config in bf16 (the
+# precision DeepSpeed's estimators assume), two optimizer steps. A warm-up run of a minimal model with the
+# same settings first loads every library and compiled op, so the measured delta is tensors, not code.
+# Peak RSS (ru_maxrss) minus the RSS after the warm-up is the measurement; MALLOC_MMAP_THRESHOLD_ makes
+# glibc return freed tensor memory to the OS instead of keeping it in its heap, so RSS follows live tensors.
+MEASURE = r"""
+import gc, json, os, resource, sys
+import psutil, torch, deepspeed
+from raytrain.config import load_config
+from raytrain.ds_config import build_ds_config
+from raytrain.model import build_model
+from raytrain.worker.evaluate import lm_loss
+overrides, vocab = json.loads(sys.argv[1]), int(sys.argv[2])
+torch.set_num_threads(1)
+deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+
+def run(ov, steps):
+    cfg = load_config("tiny", ov)
+    x = torch.randint(0, vocab, (cfg.batch.micro_batch_size, cfg.model.seq_len + 1))
+    model = build_model(cfg.model, vocab, 0)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()),
+                                      config=build_ds_config(cfg, 1, "bf16", cuda=False))
+    for _ in range(steps):
+        loss = lm_loss(engine, x); engine.backward(loss); engine.step()
+
+run(overrides + ["model.n_layer=1", "model.hidden_size=16", "model.n_head=2"], 1)
+gc.collect()
+base = psutil.Process().memory_info().rss
+run(overrides, 2)
+print("RESULT " + json.dumps(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base))
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage,extra", [(0, []), (2, []), (2, ["model.activation_checkpointing=true"])])
+def test_memory_estimate_within_20_percent_of_a_real_deepspeed_step(stage, extra):
+    vocab = 2048
+    overrides = ["model.n_layer=4", "model.hidden_size=384", "model.n_head=6", "model.seq_len=64",
+                 "batch.micro_batch_size=8", f"deepspeed.zero_stage={stage}", *extra]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0",
+           "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MALLOC_MMAP_THRESHOLD_": "65536",
+           "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    out = subprocess.run([sys.executable, "-c", MEASURE, json.dumps(overrides), str(vocab)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+    assert line, out.stderr[-3000:]
+    measured = json.loads(line[0].split(" ", 1)[1])
+    cfg = load_config("tiny", overrides)
+    shape = shape_of(cfg.model, vocab)
+    states, _ = model_states_bytes(shape, stage, False, False, 1, 1)
+    estimate = states + activation_bytes(shape, cfg.batch.micro_batch_size, cfg.model.activation_checkpointing)
+    assert estimate == pytest.approx(measured, rel=0.2), (estimate / 2**20, measured / 2**20)
