@@ -110,7 +110,8 @@ down() {
     # shellcheck disable=SC2086
     [ -n "$left" ] && kill -9 $left 2>/dev/null || true
   fi
-  rm -f "$STATE/pid"
+  # Ray's session logs grow with every node; keep them only while the cluster lives.
+  rm -rf "$STATE"
   if grep -qs ":$PORT\$" /tmp/ray/ray_current_cluster; then rm -f /tmp/ray/ray_current_cluster; fi
   echo "[cluster] down (GCS port $PORT)"
 }

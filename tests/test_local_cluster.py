@@ -55,8 +55,15 @@ def _spot_nodes(dash: int) -> dict[str, str]:
     token = (Path.home() / ".ray" / "auth_token").read_text().strip()
     req = urllib.request.Request(f"http://127.0.0.1:{dash}/api/v0/nodes?detail=1&limit=1000",
                                  headers={"Authorization": f"Bearer {token}"})
-    with urllib.request.urlopen(req, timeout=30) as resp:
-        body = json.loads(resp.read())
+    for attempt in range(30):  # the state API can lag the jobs API at start-up on a loaded machine
+        try:
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                body = json.loads(resp.read())
+            break
+        except OSError:
+            if attempt == 29:
+                raise
+            time.sleep(2)
     rows = body["data"]["result"]["result"]
     return {n["node_id"]: n["state"] for n in rows if (n.get("resources_total") or {}).get("spot")}
 
