@@ -42,6 +42,10 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 
+# A process killed while DeepSpeed (torch's extension loader) held its build lock leaves the lock file
+# behind, and every later DeepSpeed start then waits on it forever. No build takes minutes here, so a
+# lock older than 10 minutes is stale.
+find "${TORCH_EXTENSIONS_DIR:-$HOME/.cache/torch_extensions}" -name lock -mmin +10 -delete 2>/dev/null || true
 # DeepSpeed JIT-compiles its CPU shared-memory allreduce op on first use (~30-100 s, needs gcc).
 # Build it once here, into ~/.cache/torch_extensions, so the first training run does not pay it.
 if ! python -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then

@@ -136,10 +136,11 @@ class Harness:
         self._stop.set()
         for k in list(self.nodes):
             self.kill_node(k)
-        try:
-            os.killpg(self.head.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        if getattr(self, "head", None) is not None:
+            try:
+                os.killpg(self.head.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def _free_port() -> int:
@@ -195,11 +196,8 @@ def main(argv=None) -> int:
 
     from raytrain.trainer import train
 
-    harness = Harness(args.drain_deadline).up(workers=2)
-    ray.init(address=harness.address, log_to_driver=True)
-    _wait(lambda: sum(n["Alive"] for n in ray.nodes()) >= 3, 120, "worker nodes did not join")
+    harness = Harness(args.drain_deadline)
     marker = os.path.join(tempfile.mkdtemp(prefix="raytrain-chaos-"), "event")
-    harness.watch(marker)
     rng = random.Random(args.seed)
     busy = {args.remove_node_at, args.drain_at}
     kill_steps = sorted(rng.sample([s for s in range(2, args.steps) if s not in busy], args.kills))
@@ -211,6 +209,10 @@ def main(argv=None) -> int:
     events.sort(key=lambda e: e["step"])
     result: dict = {"events": events}
     try:
+        harness.up(workers=2)
+        ray.init(address=harness.address, log_to_driver=True)
+        _wait(lambda: sum(n["Alive"] for n in ray.nodes()) >= 3, 300, "worker nodes did not join")
+        harness.watch(marker)
         if args.baseline:
             cfg = _cfg(args, args.name + "-baseline", [])
             t = time.time()
