@@ -122,19 +122,29 @@ def main(argv: list[str] | None = None) -> dict:
         train_runs = None
 
         def section(title: str, fn):
+            """Run one part; a part that fails is recorded as failed and the others still run."""
             print(f"\n== {title}", flush=True)
             t = time.perf_counter()
-            out = fn()
+            try:
+                out = fn()
+            except Exception as e:  # noqa: BLE001 - a benchmark reports what it could measure
+                import traceback
+
+                traceback.print_exc()
+                out = [P.figure(title.split(".")[0], f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}",
+                                None, "", "", None, met=False)]
+                out = (out, None) if title.startswith("1.") else out
             print(f"   ({time.perf_counter() - t:.0f}s)", flush=True)
+            results["figures"] += out[0] if isinstance(out, tuple) else out
+            Path(args.json).write_text(json.dumps(results, indent=1))  # partial results survive a crash
             return out
 
         if "overhead" in parts:
-            figs, train_runs = section("1. training overhead: raytrain vs plain loops (same model, micro-batch, threads)",
-                                       lambda: P.overhead(data, tmp, args.quick))
-            results["figures"] += figs
+            _, train_runs = section("1. training overhead: raytrain vs plain loops (same model, micro-batch, threads)",
+                                    lambda: P.overhead(data, tmp, args.quick))
         if "ingest" in parts:
-            results["figures"] += section("2. ingest: SampleStream vs raw pyarrow; data wait in training",
-                                          lambda: P.ingest(data, 3 if args.quick else 10, train_runs))
+            section("2. ingest: SampleStream vs raw pyarrow; data wait in training",
+                    lambda: P.ingest(data, 3 if args.quick else 10, train_runs))
             if train_runs is None:
                 print("   (data wait comes from part 'overhead'; run it too for that figure)")
         if "checkpoint" in parts:
@@ -148,15 +158,15 @@ def main(argv: list[str] | None = None) -> dict:
 
             boto3.client("s3").create_bucket(Bucket="bench")
             size = (96 if args.quick else 384) << 20
-            results["figures"] += section(f"3. checkpoint: {size >> 20} MiB to moto S3 on 127.0.0.1 via raytrain.storage "
-                                          "vs raw boto3; async vs sync upload stall",
-                                          lambda: P.checkpoint(tmp, "bench", size, 2 if args.quick else 3))
+            section(f"3. checkpoint: {size >> 20} MiB to moto S3 on 127.0.0.1 via raytrain.storage "
+                    "vs raw boto3; async vs sync upload stall",
+                    lambda: P.checkpoint(tmp, "bench", size, 2 if args.quick else 3))
         if "recovery" in parts:
-            results["figures"] += section("4. recovery: SIGKILL of one of 2 workers",
-                                          lambda: P.recovery(data, tmp, args.quick))
+            section("4. recovery: SIGKILL of one of 2 workers",
+                    lambda: P.recovery(data, tmp, args.quick))
         if "gpu" in parts:
-            results["figures"] += section("5. GPU MFU (bf16, SDPA) vs plain PyTorch + DeepSpeed",
-                                          lambda: P.gpu(tmp, args.quick))
+            section("5. GPU MFU (bf16, SDPA) vs plain PyTorch + DeepSpeed",
+                    lambda: P.gpu(tmp, args.quick))
     finally:
         if moto is not None:
             moto.terminate()

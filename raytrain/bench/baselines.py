@@ -30,7 +30,7 @@ def _rows(split_dict: dict) -> np.ndarray:
     return np.concatenate([r for _, r in read_pyarrow(split.shard_uris, split.seq_len + 1)])
 
 
-def _worker(rank: int, world: int, port: int, cfg_dict: dict, split_dict: dict, out: str) -> None:
+def _worker(rank: int, world: int, port: int, cfg_dict: dict, split_dict: dict, out: str, use_deepspeed: bool) -> None:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -42,17 +42,31 @@ def _worker(rank: int, world: int, port: int, cfg_dict: dict, split_dict: dict, 
 
     cfg = Config.model_validate(cfg_dict)
     torch.set_num_threads(max(1, int(cfg.scaling.cpus_per_worker)))
-    if world > 1:
+    os.environ.update({"LOCAL_RANK": str(rank), "RANK": str(rank), "WORLD_SIZE": str(world)})  # DeepSpeed reads them
+    if world > 1 or use_deepspeed:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     rows = _rows(split_dict)
     vocab = cfg.model.vocab_size or split_dict["vocab_size"]
     model = build_model(cfg.model, vocab, cfg.run.seed, split_dict.get("eot_id"))
     o = cfg.optim
-    opt = torch.optim.AdamW(_param_groups(model, o.weight_decay), lr=o.lr, betas=tuple(o.betas), eps=o.eps)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
-    if world > 1:
-        model = torch.nn.parallel.DistributedDataParallel(model)
-    model.train()
+    engine = None
+    if use_deepspeed:
+        # raytrain's own DeepSpeed config, without Ray, Ray Data or raytrain's loop: splits the overhead
+        # into what DeepSpeed costs and what the rest costs.
+        import deepspeed
+
+        from raytrain.ds_config import build_ds_config
+
+        engine, _, _, _ = deepspeed.initialize(
+            model=model, model_parameters=_param_groups(model, o.weight_decay),
+            config=build_ds_config(cfg, world, "fp32", False), dist_init_required=False,
+            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg)))
+    else:
+        opt = torch.optim.AdamW(_param_groups(model, o.weight_decay), lr=o.lr, betas=tuple(o.betas), eps=o.eps)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+        if world > 1:
+            model = torch.nn.parallel.DistributedDataParallel(model)
+        model.train()
     mb, seq = cfg.batch.micro_batch_size, cfg.model.seq_len
     gb = mb * world
     windows, pos, t = [], 0, time.perf_counter()
@@ -61,13 +75,17 @@ def _worker(rank: int, world: int, port: int, cfg_dict: dict, split_dict: dict, 
             pos = 0
         x = torch.from_numpy(np.ascontiguousarray(rows[pos + rank * mb:pos + (rank + 1) * mb]))
         pos += gb
-        logits = model(input_ids=x[:, :-1]).logits
+        logits = (engine or model)(input_ids=x[:, :-1]).logits
         loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), x[:, 1:].reshape(-1))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
+        if engine is not None:
+            engine.backward(loss)
+            engine.step()
+        else:
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
         loss.item()  # a loop that logs its loss syncs here too
         if step % cfg.run.log_every == 0:
             now = time.perf_counter()
@@ -76,17 +94,18 @@ def _worker(rank: int, world: int, port: int, cfg_dict: dict, split_dict: dict, 
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"tokens_per_s_windows": windows}, f)
-    if world > 1:
+    if dist.is_initialized():
         dist.destroy_process_group()
 
 
-def plain_loop(cfg, split_dict: dict, out: str) -> list[float]:
-    """Tokens/s per log window of a plain PyTorch loop (one process) or DDP over gloo (num_workers processes)."""
+def plain_loop(cfg, split_dict: dict, out: str, use_deepspeed: bool = False) -> list[float]:
+    """Tokens/s per log window of a plain PyTorch loop (one process) or DDP over gloo (num_workers processes);
+    with use_deepspeed, the same loop driving raytrain's DeepSpeed engine config instead of AdamW / DDP."""
     import torch.multiprocessing as mp
 
     world = cfg.scaling.num_workers
-    mp.start_processes(_worker, args=(world, _free_port(), cfg.to_dict(), split_dict, out), nprocs=world,
-                       start_method="spawn", join=True)
+    mp.start_processes(_worker, args=(world, _free_port(), cfg.to_dict(), split_dict, out, use_deepspeed),
+                       nprocs=world, start_method="spawn", join=True)
     with open(out) as f:
         return json.load(f)["tokens_per_s_windows"]
 

@@ -96,6 +96,13 @@ def overhead(data: str, tmp: str, quick: bool, log: Callable = print) -> tuple[l
         rt = steady([r["tokens_per_s"] for r in recs])
         log(f"  {workers} worker(s): raytrain {rt:,.0f} tokens/s (run {tr:.0f}s incl. start) | {base_name} "
             f"{base:,.0f} tokens/s ({tb:.0f}s) | ratio {rt / base:.3f}")
+        if workers == 1:
+            # Where the gap is: the same hand-written loop driving raytrain's DeepSpeed config, no Ray at all.
+            ds = steady(plain_loop(cfg, split, f"{tmp}/deepspeed-w1.json", use_deepspeed=True))
+            log(f"  decomposition: DeepSpeed engine alone (1 process, raytrain's ZeRO-{cfg.deepspeed.zero_stage} config, "
+                f"no Ray) {ds:,.0f} tokens/s = {ds / base:.3f} of the plain loop; raytrain = {rt / ds:.3f} of that")
+            figs.append(figure("1 overhead", "DeepSpeed engine alone tokens/s, 1 process (no Ray)", ds, "tokens/s",
+                               base_name, base, target="(decomposition)"))
         figs.append(figure("1 overhead", f"raytrain tokens/s, {workers} worker(s)", rt, "tokens/s", base_name, base,
                            target=">= 0.95" if workers == 1 else "(no target)",
                            met=(rt / base >= 0.95) if workers == 1 else None,
