@@ -27,25 +27,40 @@ def _val(run_uri: str, step: int) -> float:
     return [r["val_loss"] for r in _metrics(run_uri) if r["step"] == step and "val_loss" in r][-1]
 
 
+class _Lazy(dict):
+    """A dict that builds a missing entry on first use, so a test selected alone trains only what it needs."""
+
+    def __init__(self, make):
+        super().__init__()
+        self.make = make
+
+    def __missing__(self, key):
+        self[key] = self.make(key)
+        return self[key]
+
+
 @pytest.fixture(scope="module")
 def runs(ray_cluster, tiny_data, tmp_path_factory):
     """{zero stage: (cfg, summary)}: 10 steps, checkpoints at 5 and 10, validation at 0 and 10."""
     root = tmp_path_factory.mktemp("lifecycle")
-    out = {}
-    for stage in (2, 3):
+
+    def make(stage):
         cfg = tiny_cfg(tiny_data, root, f"z{stage}", f"deepspeed.zero_stage={stage}", "checkpoint.keep_last=3")
-        out[stage] = (cfg, train(cfg, log=lambda *_: None))
-    return out
+        return cfg, train(cfg, log=lambda *_: None)
+
+    return _Lazy(make)
 
 
 @pytest.fixture(scope="module")
 def exported(runs, s3_server, tmp_path_factory):
     """ZeRO-2 exported to a local directory, ZeRO-3 to the S3-protocol server."""
-    out = {2: str(tmp_path_factory.mktemp("export") / "z2"), 3: "s3://raytrain-test/exports/z3"}
-    for stage, dest in out.items():
-        cfg, summary = runs[stage]
-        assert main(["export", "--checkpoint", summary["checkpoint"], "--out", dest]) == 0
-    return out
+    dests = {2: str(tmp_path_factory.mktemp("export") / "z2"), 3: "s3://raytrain-test/exports/z3"}
+
+    def make(stage):
+        assert main(["export", "--checkpoint", runs[stage][1]["checkpoint"], "--out", dests[stage]]) == 0
+        return dests[stage]
+
+    return _Lazy(make)
 
 
 def _local(uri: str, tmp_path) -> str:
