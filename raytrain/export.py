@@ -81,7 +81,10 @@ def load_checkpoint(ckpt_uri: str, tokenizer: Optional[str] = None) -> LoadedChe
             split = load_split(cfg.data.train, "the checkpoint's data.train")
             eot_id, tok_uri = split.eot_id, tokenizer or split.tokenizer_uri
         except UserError:
-            if tokenizer is None:
+            beside = storage.join(storage.absolute(cfg.data.train).rsplit("/", 1)[0], "tokenizer.json")
+            if tokenizer is None and storage.exists(beside):  # `prepare` writes it next to the splits
+                tok_uri = beside
+            elif tokenizer is None:
                 raise UserError(f"the tokenizer of {ckpt_uri} is beside its training data ({cfg.data.train}), which "
                                 f"is not reachable; pass --tokenizer <tokenizer.json>") from None
     if eot_id is None and tok_uri:
