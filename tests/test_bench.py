@@ -79,3 +79,16 @@ def test_script_writes_json_and_markdown_and_skips_gpu_cleanly(tmp_path, capsys)
 def test_script_rejects_unknown_parts():
     with pytest.raises(SystemExit):
         _script().main(["--parts", "overhead,warp"])
+
+
+@pytest.mark.slow
+def test_plain_baselines_log_one_window_per_interval(tiny_data, tmp_path):
+    """Part 1's baselines (plain loop, and the same loop driving raytrain's DeepSpeed config) at tiny size."""
+    from raytrain.bench.baselines import plain_loop
+
+    cfg = P.train_cfg(str(tiny_data), str(tmp_path), "baseline", 1, 6, 2, "model.n_layer=1", "model.hidden_size=32",
+                      "model.n_head=2", "model.seq_len=32", "batch.micro_batch_size=4")
+    split = load_split(f"{tiny_data}/train").to_dict()
+    for use_deepspeed in (False, True):
+        windows = plain_loop(cfg, split, str(tmp_path / f"ds-{use_deepspeed}.json"), use_deepspeed=use_deepspeed)
+        assert len(windows) == 3 and all(w > 0 for w in windows), windows
