@@ -66,21 +66,30 @@ class Harness:
         self.address = f"127.0.0.1:{self.port}"
 
     def _start(self, args: list[str]) -> subprocess.Popen:
+        # Several nodes on one host: every per-node port is chosen here, or two nodes starting together
+        # race for Ray's fixed defaults (the dashboard agent's 52365) and one raylet dies on bind().
+        ports = [f"--{name}={_free_port()}" for name in (
+            "node-manager-port", "object-manager-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+            "runtime-env-agent-port", "metrics-export-port")]
         return subprocess.Popen([self._ray, "start", "--block", "--node-ip-address=127.0.0.1",
-                                 "--disable-usage-stats", *args], stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, start_new_session=True)
+                                 "--disable-usage-stats", "--min-worker-port=0", "--max-worker-port=0", *ports,
+                                 *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
-    def up(self, workers: int = 2) -> "Harness":
+    def up(self) -> "Harness":
         self.head = self._start(["--head", f"--port={self.port}", "--num-cpus=2", "--include-dashboard=false"])
         _wait(lambda: _ray_ok(self.address), 60, "the head node did not start")
-        for _ in range(workers):
-            self.add_node()
         return self
 
     def add_node(self) -> int:
+        """Start a worker node and wait until it has joined. One at a time: `ray start`s racing on one
+        host pick the same raylet socket name in the shared session directory, and one dies on bind()."""
+        import ray
+
         k = len(self.nodes)
+        alive = sum(n["Alive"] for n in ray.nodes())
         self.nodes[k] = self._start([f"--address={self.address}", "--num-cpus=1",
                                      f"--resources={json.dumps({'trainer': 1, f'chaos_node_{k}': 1})}"])
+        _wait(lambda: sum(n["Alive"] for n in ray.nodes()) > alive, 180, f"worker node {k} did not join")
         return k
 
     def _node_index(self, node_id: str) -> int:
@@ -121,6 +130,7 @@ class Harness:
                     gcs.drain_node(ev["node_id"], autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
                                    "chaos drill: spot interruption notice", deadline_ms)
                     threading.Timer(self.deadline_s + 1, self.kill_node, args=(k,)).start()
+                    open(req[:-len(".request")] + ".ack", "w").close()
                 self.log.append({"action": ev["action"], "node_id": ev["node_id"], "time": t})
             time.sleep(0.2)
 
@@ -209,9 +219,10 @@ def main(argv=None) -> int:
     events.sort(key=lambda e: e["step"])
     result: dict = {"events": events}
     try:
-        harness.up(workers=2)
+        harness.up()
         ray.init(address=harness.address, log_to_driver=True)
-        _wait(lambda: sum(n["Alive"] for n in ray.nodes()) >= 3, 300, "worker nodes did not join")
+        for _ in range(2):
+            harness.add_node()
         harness.watch(marker)
         if args.baseline:
             cfg = _cfg(args, args.name + "-baseline", [])

@@ -45,7 +45,7 @@ def test_drain_notice_checkpoints_before_the_deadline_on_its_own_budget(s3_serve
     """A preemption drain at step 6: checkpoint at once, at most one step lost; run.max_failures=0 proves the
     restart was charged to the preemption budget."""
     res = _drill(tmp_path, "--data", str(tiny_data), "--storage", "s3://raytrain-test/drain", "--steps", "12",
-                 "--every", "100", "--kills", "0", "--drain-at", "6", "--drain-deadline", "15", "--name", "drain",
+                 "--every", "100", "--kills", "0", "--drain-at", "6", "--drain-deadline", "30", "--name", "drain",
                  *TINY, "run.max_failures=0", "run.max_preemptions=2")
     assert res["summary"]["steps"] == 12 and res["summary"]["restarts"] == 1
     (r,) = res["recovery"]

@@ -274,6 +274,14 @@ def _crash_hook(inject: dict, rank: int):
                         json.dump({"action": sig, "node_id": ray.get_runtime_context().get_node_id()}, f)
                     if sig == "REMOVE_NODE":
                         time.sleep(300)
+                    else:
+                        # Ray relays a drain to the workers within its poll interval (5 s): this step
+                        # lasts long enough for the notice to arrive during the run, as on a real cluster.
+                        for _ in range(600):
+                            if os.path.exists(fired + ".ack"):
+                                break
+                            time.sleep(0.1)
+                        time.sleep(8)
                 else:
                     os.kill(os.getpid(), getattr(signal, sig))
 
