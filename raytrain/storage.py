@@ -185,14 +185,6 @@ def download_dir(uri: str, local_dir: str) -> str:
     return local_dir
 
 
-def upload_dir(local_dir: str, uri: str) -> None:
-    """Copy every file under a local directory to a directory URI (each object written whole)."""
-    for dirpath, _, files in os.walk(local_dir):
-        for name in files:
-            path = os.path.join(dirpath, name)
-            upload_file(path, join(uri, os.path.relpath(path, local_dir).replace(os.sep, "/")))
-
-
 def make_dirs(uri: str) -> None:
     fs, path = resolve(uri)
     try:

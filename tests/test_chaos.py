@@ -33,12 +33,15 @@ def test_kills_and_a_lost_node_train_on_the_same_samples_with_the_same_losses(s3
                  "--every", "4", "--kills", "3", "--remove-node-at", "10", "--seed", "3", "--baseline", *TINY)
     kinds = [e["signal"] for e in res["events"]]
     assert kinds.count("SIGKILL") == 3 and kinds.count("REMOVE_NODE") == 1
-    assert res["summary"]["steps"] == 20 and res["summary"]["restarts"] >= 4
+    assert res["summary"]["steps"] == 20
+    assert len(res["recovery"]) == 4 and all(r["resumed_from"] is not None for r in res["recovery"])
     assert sorted(map(int, res["chaos"])) == list(range(1, 21))
     assert res["same_batches"], "a sample was skipped or repeated"
     assert res["max_loss_diff"] <= 1e-5
-    for r in res["recovery"]:  # no fault loses more than the steps since the last checkpoint
-        assert 0 <= r["steps_lost"] < 4 + 1, r
+    for r in res["recovery"]:
+        # At most the steps since the newest committed checkpoint; with async upload the newest save
+        # may still be uploading when the fault hits, so up to two intervals.
+        assert 0 <= r["steps_lost"] <= 2 * 4, r
 
 
 def test_drain_notice_checkpoints_before_the_deadline_on_its_own_budget(s3_server, tiny_data, tmp_path):
