@@ -19,7 +19,6 @@ import json
 import os
 import platform
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,19 +30,9 @@ sys.path.insert(0, str(ROOT))
 
 
 def _moto() -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    exe = shutil.which("moto_server", path=os.path.dirname(sys.executable)) or "moto_server"
-    proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    for _ in range(100):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            break
-        except OSError:
-            time.sleep(0.1)
-    endpoint = f"http://127.0.0.1:{port}"
+    from tests.conftest import start_moto  # the same local S3 server the tests use
+
+    proc, endpoint = start_moto()
     os.environ.update({"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
                        "AWS_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"})
     import boto3
