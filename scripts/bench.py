@@ -107,6 +107,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"{results['load_before']}", flush=True)
     tmp = tempfile.mkdtemp(prefix="raytrain-bench-")
     moto = None
+    started_ray = False
     try:
         data = None
         if set(parts) & {"overhead", "ingest", "recovery"}:
@@ -117,8 +118,10 @@ def main(argv: list[str] | None = None) -> dict:
             import ray
 
             # Logical CPUs above the 2 training workers, so Ray Data always has room (pitfalls #1).
-            ray.init(address="local", num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False,
-                     log_to_driver=False)
+            if not ray.is_initialized():
+                ray.init(address="local", num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False,
+                         log_to_driver=False)
+                started_ray = True
         train_runs = None
 
         def section(title: str, fn):
@@ -170,12 +173,10 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         if moto is not None:
             moto.terminate()
-        try:
+        if started_ray:  # a Ray instance this process already had (a caller's) is left alone
             import ray
 
             ray.shutdown()
-        except Exception:  # noqa: BLE001
-            pass
         if args.keep:
             print(f"scratch kept in {tmp}")
         else:

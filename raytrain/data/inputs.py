@@ -132,7 +132,9 @@ def use_ray(engine: str) -> bool:
     if engine == "local" or (engine == "auto" and not ray.is_initialized() and not os.environ.get("RAY_ADDRESS")):
         return False
     if not ray.is_initialized():
-        ray.init(log_to_driver=False)  # connects to RAY_ADDRESS when set, else starts a local instance
+        # RAY_ADDRESS's cluster when set; otherwise a fresh local instance, never a stray cluster that
+        # an earlier `ray start` on this machine left behind (ray.init() alone would try to join it).
+        ray.init(address=os.environ.get("RAY_ADDRESS") or "local", log_to_driver=False)
     return True
 
 
