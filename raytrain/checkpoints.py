@@ -52,11 +52,7 @@ def commit(ckpt_uri: str, step: int, files: dict[str, dict], extra: Optional[dic
 
 def uncommit(ckpt_uri: str) -> None:
     """Remove a checkpoint's manifest (if any): from this moment it no longer counts."""
-    fs, path = storage.resolve(storage.join(ckpt_uri, MANIFEST))
-    try:
-        fs.delete_file(path)
-    except (FileNotFoundError, OSError):
-        pass
+    storage.delete_file(storage.join(ckpt_uri, MANIFEST))
 
 
 def _step_of(uri: str) -> int:
@@ -247,11 +243,7 @@ def rollback(run_uri: str, tag_name: Optional[str] = None, step: Optional[int] =
 
 
 def clear_rollback(run_uri: str) -> None:
-    fs, path = storage.resolve(storage.join(run_uri, ROLLBACK))
-    try:
-        fs.delete_file(path)
-    except (FileNotFoundError, OSError):
-        pass
+    storage.delete_file(storage.join(run_uri, ROLLBACK))
 
 
 def _advance_rollback(run_uri: str, step: int) -> None:

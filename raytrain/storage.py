@@ -157,6 +157,15 @@ def upload_dir(local_dir: str, uri: str) -> None:
         raise _fail(uri, e, "upload to") from None
 
 
+def delete_file(uri: str) -> None:
+    """Remove one object or file; a missing one is fine."""
+    fs, path = resolve(uri)
+    try:
+        fs.delete_file(path)
+    except (FileNotFoundError, OSError):
+        pass
+
+
 def delete_dir(uri: str) -> None:
     """Remove a directory tree; a missing one is fine."""
     fs, path = resolve(uri)
@@ -197,11 +206,7 @@ def check_writable(uri: str) -> None:
     """Probe that the storage is reachable and writable before any training starts."""
     probe = join(uri, ".raytrain-write-probe")
     write_bytes(probe, b"ok")
-    fs, path = resolve(probe)
-    try:
-        fs.delete_file(path)
-    except OSError:
-        pass
+    delete_file(probe)
 
 
 def ray_storage(uri: str) -> tuple[str, Optional[pafs.FileSystem]]:

@@ -215,11 +215,7 @@ def prepare(cfg: PrepareConfig, log=print) -> dict:
     # Re-running over an earlier output: its manifests go first, so a crash midway can never leave an
     # old manifest vouching for new shards.
     for split in ("train", "val"):
-        fs, path = storage.resolve(storage.join(out, split, mf.MANIFEST))
-        try:
-            fs.delete_file(path)
-        except (FileNotFoundError, OSError):
-            pass
+        storage.delete_file(storage.join(out, split, mf.MANIFEST))
     read_counts: Counter = Counter()
     raw = iter_documents(cfg.inputs, read_counts, cfg.text_field, cfg.text_mode, cfg.invalid_utf8, cfg.max_chars,
                          cfg.engine, log)

@@ -43,16 +43,6 @@ def _mean_across_ranks(x: torch.Tensor, world: int) -> float:
     return x.item()
 
 
-def _memory() -> dict:
-    import psutil
-
-    m = {"host_rss_gb": psutil.Process().memory_info().rss / 2**30}
-    if torch.cuda.is_available():
-        m["gpu_mem_alloc_gb"] = torch.cuda.memory_allocated() / 2**30
-        m["gpu_mem_peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
-    return m
-
-
 def train_loop_per_worker(loop_config: dict) -> None:
     import deepspeed
     import ray.train
@@ -201,7 +191,6 @@ def train_loop_per_worker(loop_config: dict) -> None:
                 "tokens_per_s": tps, "samples_per_s": window_steps * gb / dt,
                 "tflops_per_worker": fpt * tps / world / 1e12, "data_wait_frac": data_wait / dt,
                 "tokens_seen": state.tokens_seen, "epoch": stream.epoch, "batch_crc32": batch_crc, "data_skipped_shards": len(stream.skipped),
-                **_memory(),
             })
             rec.update(tel.log_step(rec, state, window_steps, dt))
             window_t, window_steps, data_wait = time.perf_counter(), 0, 0.0
