@@ -11,10 +11,10 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from raytrain import storage
 from raytrain.errors import UserError
@@ -62,6 +62,7 @@ class ModelConfig(_Section):
     init_std: float = Field(0.02, gt=0.0, description="std of the normal weight init")
     attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="torch SDPA (flash / memory-efficient kernels where available) or eager")
     activation_checkpointing: bool = Field(False, description="recompute activations in backward: less memory, ~30% more compute")
+    compile: bool = Field(False, description="torch.compile the model (DeepSpeed's engine.compile, inductor backend): the first step waits for compilation (tens of seconds), later steps can be faster, mostly on GPU")
     moe_experts: int = Field(8, ge=2, description="mixtral only: experts per MoE layer")
     moe_top_k: int = Field(2, ge=1, description="mixtral only: experts each token is routed to (top-k routing; dropless, so there is no capacity factor)")
     moe_aux_loss_coef: float = Field(0.01, ge=0.0, description="mixtral only: weight of the router's load-balancing loss added to the training loss (logged as aux_loss)")
@@ -87,6 +88,7 @@ class DataConfig(_Section):
     shuffle: bool = Field(True, description="shuffle shard order and rows each epoch (deterministic from run.seed)")
     shuffle_window: int = Field(4096, ge=1, description="rows shuffled together inside an epoch")
     prefetch_batches: int = Field(2, ge=0, description="Ray Data blocks read ahead of training")
+    pin_memory: bool = Field(True, description="GPU only: batches go to the device through pinned host memory with non-blocking copies (ignored on CPU, where batches are used in place)")
     eval_samples: int = Field(512, ge=1, description="validation sequences per evaluation (the first ones of val)")
     verify: Literal["size", "checksum"] = Field("size", description="check of every shard against the manifest before training: sizes (cheap) or sha256 (reads all data once)")
     stall_timeout_s: float = Field(600.0, gt=0.0, description="fail with a diagnosis when no data arrives for this long (never hang)")
@@ -112,6 +114,7 @@ class OptimConfig(_Section):
     decay: Literal["cosine", "linear", "constant"] = Field("cosine", description="decay after warmup, over the rest of run.max_steps")
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="final lr as a fraction of lr")
     grad_clip: float = Field(1.0, ge=0.0, description="global gradient-norm clip; 0 disables")
+    fused: Literal["torch", "deepspeed", "none"] = Field("torch", description="GPU only: torch's fused AdamW kernel, DeepSpeed's FusedAdam (a CUDA op JIT-built on first use) or torch's multi-tensor AdamW; CPU always uses torch's AdamW")
 
 
 class PrecisionConfig(_Section):
@@ -129,6 +132,7 @@ class DeepSpeedSection(_Section):
     offload_optimizer: Literal["none", "cpu", "nvme"] = Field("none", description="optimizer state offload (stage >= 1)")
     offload_param: Literal["none", "cpu", "nvme"] = Field("none", description="parameter offload (stage 3)")
     nvme_path: Optional[str] = Field(None, description="local NVMe directory for nvme offload")
+    tensor_parallel_size: int = Field(1, ge=1, description="DeepSpeed AutoTP: split each attention / MLP weight over this many workers (llama family, ZeRO stage 1-3); data-parallel size = num_workers / this, and the ranks of one group train on the same micro-batches")
     extra: dict[str, Any] = Field(default_factory=dict, description="any DeepSpeed config keys, merged over the generated ones")
 
     @model_validator(mode="after")
@@ -151,6 +155,7 @@ class ScalingSection(_Section):
     gpus_per_worker: float = Field(1.0, ge=0.0, description="GPUs per worker when use_gpu")
     resources_per_worker: dict[str, float] = Field(default_factory=dict, description="extra custom Ray resources per worker, e.g. {spot: 1}")
     data_cpus: float = Field(1.0, gt=0.0, description="logical CPUs left free for Ray Data read tasks (split over workers)")
+    collective_timeout_s: int = Field(1800, ge=1, description="a collective (gradient all-reduce, barrier) waiting longer than this fails with a diagnosis naming the rank and the collective instead of hanging; a warning is logged at half of it")
     address: Optional[str] = Field(None, description="Ray cluster address; null: RAY_ADDRESS if set, else a new local Ray instance")
 
 
@@ -158,7 +163,17 @@ class CheckpointSection(_Section):
     """Where the run lives (`<storage>/<run.name>/`) and how often its state is saved."""
 
     storage: str = Field("~/raytrain_runs", description="run storage: local path or s3://bucket/prefix (AWS_ENDPOINT_URL for other S3 stores)")
-    every_n_steps: int = Field(1000, ge=1, description="checkpoint interval in optimizer steps")
+    every_n_steps: Union[Annotated[int, Field(ge=1)], Literal["auto"]] = Field(1000, description="checkpoint interval in optimizer steps; auto: the Young-Daly interval sqrt(2 x checkpoint cost x mtbf_s), from the measured cost and the interruptions seen")
+    mtbf_s: float = Field(7200.0, gt=0, description="expected seconds between interruptions (spot reclaims, failures) before any is seen; every_n_steps=auto and `raytrain cost` use it. Example figure, set it from your provider's interruption rate")
+    auto_initial_cost_s: float = Field(2.0, gt=0, description="every_n_steps=auto: checkpoint cost assumed until the first checkpoint is measured")
+
+    @field_validator("every_n_steps", mode="before")
+    @classmethod
+    def _steps_or_auto(cls, v: Any) -> Any:
+        # One plain message instead of one error per branch of the union.
+        if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+            return v
+        raise ValueError("must be a whole number of steps >= 1 or 'auto'")
     keep_last: int = Field(3, ge=1, description="the newest complete checkpoints kept")
     keep_every: int = Field(0, ge=0, description="also keep every checkpoint whose step is a multiple of this; 0: none")
     save_final: bool = Field(True, description="checkpoint at run.max_steps")
@@ -238,8 +253,30 @@ class Config(_Section):
     cost: CostSection = Field(default_factory=CostSection)
 
     @model_validator(mode="after")
+    def _tensor_parallel_fits(self) -> "Config":
+        tp, m = self.deepspeed.tensor_parallel_size, self.model
+        if tp == 1:
+            return self
+        key = f"deepspeed.tensor_parallel_size={tp}"
+        if self.scaling.num_workers % tp:
+            raise ValueError(f"{key} must divide scaling.num_workers={self.scaling.num_workers}")
+        if m.family != "llama":
+            # gpt2: "AutoTP not supported for model" (deepspeed/module_inject/auto_tp.py, Conv1D layers);
+            # mixtral: its tp_plan styles 'moe_tp_experts' / 'packed_colwise' are rejected (tp_plan_converter.py).
+            raise ValueError(f"{key} needs model.family=llama: DeepSpeed 0.19's AutoTP cannot shard {m.family} models")
+        for name, n in (("model.n_head", m.n_head), ("model.n_kv_head", m.n_kv_head or m.n_head),
+                        ("model.intermediate_size", m.intermediate_size or 256)):
+            if n % tp:
+                raise ValueError(f"{key} must divide {name}={n} (each rank holds an equal slice)")
+        if self.deepspeed.zero_stage == 0:
+            # Resume across sizes and export merge the rank slices through DeepSpeed's universal checkpoint,
+            # which is built from ZeRO optimizer partitions.
+            raise ValueError(f"{key} needs deepspeed.zero_stage >= 1 (1-3 work with AutoTP)")
+        return self
+
+    @model_validator(mode="after")
     def _batch_consistent(self) -> "Config":
-        b, w = self.batch, self.scaling.num_workers
+        b, w = self.batch, self.data_parallel_size
         if b.gradient_accumulation_steps is None:
             if b.global_batch_size is None:
                 raise ValueError("set batch.gradient_accumulation_steps or batch.global_batch_size")
@@ -247,12 +284,12 @@ class Config(_Section):
             if b.global_batch_size % per_step:
                 raise ValueError(
                     f"batch.global_batch_size={b.global_batch_size} is not a multiple of "
-                    f"batch.micro_batch_size x scaling.num_workers = {per_step}"
+                    f"batch.micro_batch_size x data-parallel size (scaling.num_workers / deepspeed.tensor_parallel_size) = {per_step}"
                 )
         elif b.global_batch_size is not None and b.global_batch_size != b.micro_batch_size * b.gradient_accumulation_steps * w:
             raise ValueError(
                 f"batch.global_batch_size={b.global_batch_size} != micro_batch_size x gradient_accumulation_steps x "
-                f"num_workers = {b.micro_batch_size}x{b.gradient_accumulation_steps}x{w}; set one of them to null"
+                f"data-parallel workers = {b.micro_batch_size}x{b.gradient_accumulation_steps}x{w}; set one of them to null"
             )
         return self
 
@@ -262,11 +299,16 @@ class Config(_Section):
         b = self.batch
         if b.gradient_accumulation_steps is not None:
             return b.gradient_accumulation_steps
-        return b.global_batch_size // (b.micro_batch_size * self.scaling.num_workers)
+        return b.global_batch_size // (b.micro_batch_size * self.data_parallel_size)
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Workers that train on different data: the ranks of one tensor-parallel group share their batch."""
+        return max(1, self.scaling.num_workers // self.deepspeed.tensor_parallel_size)
 
     @property
     def global_batch(self) -> int:
-        return self.batch.micro_batch_size * self.accumulation * self.scaling.num_workers
+        return self.batch.micro_batch_size * self.accumulation * self.data_parallel_size
 
     @property
     def run_uri(self) -> str:
@@ -391,7 +433,7 @@ def _format_error(err: ValidationError) -> str:
         elif e["type"] == "literal_error":
             msgs.append(f"config key {key!r}: {e['msg'].lower()}, got {e.get('input')!r}")
         elif key:
-            msgs.append(f"config key {key!r}: {e['msg'].lower()} (got {e.get('input')!r})")
+            msgs.append(f"config key {key!r}: {e['msg'].lower().removeprefix('value error, ')} (got {e.get('input')!r})")
         else:
             msgs.append(f"config: {e['msg'].removeprefix('Value error, ')}")
     return "; ".join(msgs)

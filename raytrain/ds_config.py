@@ -51,15 +51,34 @@ def build_ds_config(cfg: Config, world_size: int, dtype: str, cuda: bool) -> dic
         "steps_per_print": 10**9,  # we log ourselves
         "wall_clock_breakdown": False,
     }
-    if not cuda and ds.offload_optimizer == "none":
-        # On CPU the fused/compiled Adam variants need extra JIT builds and give nothing.
-        conf["optimizer"]["params"]["torch_adam"] = True
+    conf["optimizer"]["params"].update(optimizer_impl(cfg, cuda))
+    if ds.tensor_parallel_size > 1:
+        # AutoTP training (applied inside deepspeed.initialize). DeepSpeed checks train_batch_size against the
+        # whole world in one place and against the data-parallel size in another (ZeRO-3), so it is left for
+        # DeepSpeed to derive. The output head stays whole: our loss takes full-vocabulary logits.
+        del conf["train_batch_size"]
+        conf["tensor_parallel"] = {"autotp_size": ds.tensor_parallel_size, "vocab_parallel_lm_head": False}
     if dtype == "bf16":
         conf["bf16"] = {"enabled": True}
     elif dtype == "fp16":
         conf["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": cfg.precision.initial_scale_power,
                         "loss_scale_window": cfg.precision.loss_scale_window}
     return _merge(conf, ds.extra)
+
+
+def optimizer_impl(cfg: Config, cuda: bool) -> dict[str, Any]:
+    """Which AdamW kernel DeepSpeed builds, as optimizer params: {} means DeepSpeed's own choice."""
+    if cfg.deepspeed.offload_optimizer != "none":
+        return {}  # DeepSpeed's CPU Adam runs the offloaded step
+    if not cuda:
+        # On CPU the fused/compiled Adam variants need extra JIT builds and give nothing.
+        return {"torch_adam": True}
+    if cfg.optim.fused == "torch":
+        # One kernel launch for all parameters, built into torch (no JIT build, unlike DeepSpeed's FusedAdam).
+        return {"torch_adam": True, "fused": True}
+    if cfg.optim.fused == "none":
+        return {"torch_adam": True, "foreach": True}
+    return {}  # "deepspeed": FusedAdam, a CUDA op DeepSpeed JIT-builds on first use
 
 
 def lr_lambda(cfg: Config) -> Callable[[int], float]:

@@ -47,10 +47,12 @@ def checkpoint_config(ckpt_uri: str) -> Config:
     return Config.model_validate(yaml.safe_load(storage.read_text(storage.join(ckpt_uri, "config.yaml"))))
 
 
-def consolidated_state_dict(ckpt_uri: str, zero_stage: int) -> dict[str, torch.Tensor]:
-    """Full fp32 weights from a checkpoint's engine state, whatever the ZeRO stage and world size."""
+def consolidated_state_dict(ckpt_uri: str, zero_stage: int, tensor_parallel: int = 1) -> dict[str, torch.Tensor]:
+    """Full fp32 weights from a checkpoint's engine state, whatever the ZeRO stage, world and tensor-parallel size."""
     with tempfile.TemporaryDirectory(prefix="raytrain-export-") as d:
         storage.download_dir(storage.join(ckpt_uri, ENGINE_TAG), os.path.join(d, ENGINE_TAG))
+        if tensor_parallel > 1:
+            return _merged_tensor_parallel(os.path.join(d, ENGINE_TAG), os.path.join(d, "universal"))
         if zero_stage == 0:  # plain data parallel: rank 0's module state is the whole model
             states = torch.load(os.path.join(d, ENGINE_TAG, "mp_rank_00_model_states.pt"), map_location="cpu",
                                 weights_only=False)
@@ -59,6 +61,22 @@ def consolidated_state_dict(ckpt_uri: str, zero_stage: int) -> dict[str, torch.T
 
         with contextlib.redirect_stdout(io.StringIO()):  # it prints every tensor it merges
             return get_fp32_state_dict_from_zero_checkpoint(d, tag=ENGINE_TAG)
+
+
+def _merged_tensor_parallel(engine_dir: str, out_dir: str) -> dict[str, torch.Tensor]:
+    """AutoTP checkpoints hold one slice of each sharded weight per tensor-parallel rank, which zero_to_fp32 does
+    not merge; DeepSpeed's universal-checkpoint converter does (it records how each weight was split)."""
+    import argparse
+
+    from deepspeed.checkpoint import ds_to_universal
+
+    args = argparse.Namespace(input_folder=engine_dir, output_folder=out_dir, num_extract_workers=1,
+                              num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
+    with contextlib.redirect_stdout(io.StringIO()):  # it prints every tensor it merges
+        ds_to_universal.main(args)
+    zero = os.path.join(out_dir, "zero")
+    return {name: torch.load(os.path.join(zero, name, "fp32.pt"), map_location="cpu", weights_only=False)["param"].float()
+            for name in os.listdir(zero) if os.path.exists(os.path.join(zero, name, "fp32.pt"))}
 
 
 def load_checkpoint(ckpt_uri: str, tokenizer: Optional[str] = None) -> LoadedCheckpoint:
@@ -71,7 +89,7 @@ def load_checkpoint(ckpt_uri: str, tokenizer: Optional[str] = None) -> LoadedChe
     ckpt_uri = storage.absolute(ckpt_uri)
     cfg = checkpoint_config(ckpt_uri)
     step = json.loads(storage.read_text(storage.join(ckpt_uri, "raytrain_state.json")))["step"]
-    sd = consolidated_state_dict(ckpt_uri, cfg.deepspeed.zero_stage)
+    sd = consolidated_state_dict(ckpt_uri, cfg.deepspeed.zero_stage, cfg.deepspeed.tensor_parallel_size)
     emb = [v for k, v in sd.items() if k.endswith(("wte.weight", "embed_tokens.weight"))]
     if not emb:
         raise UserError(f"{ckpt_uri}: no token embedding among the saved weights; is it a raytrain checkpoint?")

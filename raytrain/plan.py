@@ -116,6 +116,23 @@ def model_config_for(spec: str, seq_len: Optional[int] = None) -> ModelConfig:
     return m.model_copy(update={"seq_len": seq_len}) if seq_len else m
 
 
+def param_counts(model, cfg: ModelConfig) -> tuple[int, int]:
+    """(total, active per token) parameters of a built model: a Mixture-of-Experts token runs through top_k of
+    the experts, so FLOPs (here and in the training loop's MFU) follow the active count, memory the total."""
+    seen: set[int] = set()
+    total = expert = 0
+    for name, p in model.named_parameters():
+        if id(p) in seen:  # tied embeddings count once
+            continue
+        seen.add(id(p))
+        total += p.numel()
+        if ".experts." in name or name.endswith(".experts"):
+            expert += p.numel()
+    if cfg.family != "mixtral":
+        return total, total
+    return total, total - expert + expert * cfg.moe_top_k // cfg.moe_experts
+
+
 def shape_of(cfg: ModelConfig, vocab: Optional[int] = None) -> Shape:
     """Builds the real transformers model on the meta device (no memory) and reads its sizes."""
     import torch
@@ -127,15 +144,7 @@ def shape_of(cfg: ModelConfig, vocab: Optional[int] = None) -> Shape:
     hfc = hf_config(cfg, vocab)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hfc)
-    seen: set[int] = set()
-    total = expert = 0
-    for name, p in model.named_parameters():
-        if id(p) in seen:  # tied embeddings count once
-            continue
-        seen.add(id(p))
-        total += p.numel()
-        if ".experts." in name or name.endswith(".experts"):
-            expert += p.numel()
+    total, active = param_counts(model, cfg)
     # DeepSpeed's definition (stage3.model_to_params): the most parameters held directly by one module.
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
     head_dim = cfg.hidden_size // cfg.n_head
@@ -144,7 +153,7 @@ def shape_of(cfg: ModelConfig, vocab: Optional[int] = None) -> Shape:
     return Shape(family=cfg.family, n_layer=cfg.n_layer, hidden=cfg.hidden_size, n_head=cfg.n_head,
                  kv_hidden=(cfg.n_kv_head or cfg.n_head) * head_dim if cfg.family != "gpt2" else cfg.hidden_size,
                  intermediate=inter, vocab=vocab, seq_len=cfg.seq_len, experts=experts, top_k=top_k, params=total,
-                 active_params=total - expert + expert * top_k // experts, largest_layer_params=largest,
+                 active_params=active, largest_layer_params=largest,
                  eager_attention=cfg.attn_implementation == "eager")
 
 
@@ -303,7 +312,9 @@ def make_plan(model: str, gpu: str, gpus: int, seq_len: Optional[int] = None, to
             while n <= 65536 and not _fit(shape, g, n, gpus_per_node, strat, ckpt, usable, 1, 1, host).fits:
                 n *= 2
             plan.fewest_gpus[strat[0] + ("+ckpt" if ckpt else "")] = n if n <= 65536 else None
-    flops_per_token = 6.0 * shape.active_params + 12.0 * shape.n_layer * shape.hidden * shape.seq_len
+    from raytrain.model import flops_per_token as model_flops_per_token  # the one the training loop's MFU uses
+
+    flops_per_token = model_flops_per_token(shape.active_params, mcfg)
     od = g.on_demand if price_on_demand is None else price_on_demand
     sp = g.spot if price_spot is None else price_spot
     plan.assumptions = {

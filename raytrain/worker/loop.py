@@ -15,13 +15,17 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from raytrain import storage
 from raytrain.config import Config
 from raytrain.data.manifest import Split
 from raytrain.data.stream import SampleStream
 from raytrain.ds_config import build_ds_config, lr_lambda, resolve_dtype
-from raytrain.model import build_model, flops_per_token, moe_aux_loss, param_count
+from raytrain.model import build_model, compile_engine, flops_per_token, moe_aux_loss, param_count
+from raytrain.plan import param_counts
 from raytrain.worker import checkpoint as ckpt
+from raytrain.worker.comm import FAILURE_FILE as COMM_FAILURE_FILE, CommWatch
 from raytrain.worker.evaluate import Evaluator, lm_loss
+from raytrain.worker.interval import CheckpointInterval, run_history
 from raytrain.worker.preemption import PreemptionNotice
 from raytrain.worker.runlog import SUMMARY, RunLog, record_attempt, say
 from raytrain.worker.telemetry import Telemetry, nan_hook, oom_guard, rollback
@@ -34,6 +38,25 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
         if p.requires_grad:
             (decay if p.dim() >= 2 else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _to_device(rows: np.ndarray, device: torch.device, pin: bool) -> torch.Tensor:
+    """A micro-batch as a tensor on the device. CPU: the stream's own memory, no copy. CUDA with pin: through
+    pinned memory and a non-blocking copy, so the transfer overlaps kernels already queued."""
+    x = torch.from_numpy(np.ascontiguousarray(rows))
+    if device.type != "cuda":
+        return x
+    return (x.pin_memory() if pin else x).to(device, non_blocking=pin)
+
+
+def _data_parallel_rank(cfg: Config, rank: int, world: int) -> tuple[int, int]:
+    """(rank, size) among the workers that train on different data. The ranks of one tensor-parallel group
+    (DeepSpeed AutoTP) compute one model together, so they take the same slice of the global batch."""
+    if cfg.deepspeed.tensor_parallel_size == 1:
+        return rank, world
+    from deepspeed.utils import groups  # set up by deepspeed.initialize
+
+    return groups.get_data_parallel_rank(), groups.get_data_parallel_world_size()
 
 
 def _mean_across_ranks(x: torch.Tensor, world: int) -> float:
@@ -70,11 +93,14 @@ def train_loop_per_worker(loop_config: dict) -> None:
     # another number of workers is loaded through DeepSpeed's universal format.
     resumed = ckpt.find_resume_point(cfg.run_uri, rank, deep=cfg.checkpoint.verify_on_resume == "checksum")
     resharding = resumed is not None and ckpt.peek_state(resumed).world_size != world
+    boot = {"resume_point": time.time()}  # start-up phases (when each ended): where a recovery's seconds go
 
     # Model and engine. DeepSpeed reuses the process group Ray Train already set up.
     vocab = cfg.model.vocab_size or train_split.vocab_size
     model = build_model(cfg.model, vocab, cfg.run.seed, train_split.eot_id)
     n_params = param_count(model)
+    n_active = param_counts(model, cfg.model)[1]  # per token (MoE: top-k experts): the FLOPs behind MFU
+    boot["model"] = time.time()
     dtype = resolve_dtype(cfg, cuda, cuda and torch.cuda.is_bf16_supported())
     ds_config = build_ds_config(cfg, world, dtype, cuda)
     if resharding:
@@ -86,11 +112,15 @@ def train_loop_per_worker(loop_config: dict) -> None:
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg)),
         dist_init_required=False,
     )
+    compile_engine(engine, cfg.model)
+    dp_rank, dp_size = _data_parallel_rank(cfg, rank, world)
+    boot["engine"] = time.time()
     state = ckpt.TrainState(world_size=world, global_batch=cfg.global_batch)
     if resumed is not None:
         state = ckpt.restore(engine, resumed, rank, world)
         state.restarts += 1
         state.global_batch = cfg.global_batch
+    boot["restore"] = time.time()
     # Started only now: on small machines, Ray Data's start-up competing with DeepSpeed's
     # initialisation slowed both down more than running them one after the other.
     stream = SampleStream(train_split, cfg.run.seed, cfg.data.shuffle, cfg.data.shuffle_window, state.samples_seen,
@@ -99,21 +129,30 @@ def train_loop_per_worker(loop_config: dict) -> None:
                           stall_timeout_s=cfg.data.stall_timeout_s, on_bad_shard=cfg.data.on_bad_shard).start()
 
     # Validation is small and read once, so a direct read beats starting a Ray Data pipeline for it.
-    evaluate = Evaluator(val_split, cfg.data.eval_samples, cfg.batch.micro_batch_size, rank, world, device,
+    evaluate = Evaluator(val_split, cfg.data.eval_samples, cfg.batch.micro_batch_size, dp_rank, dp_size, device,
                          "pyarrow") if val_split else None
     log = RunLog(cfg.run_uri, cfg.run.max_steps, state.step, enabled=rank == 0)
     # The checkpoint this attempt resumed from is never pruned while it runs.
     writer = ckpt.CheckpointWriter(cfg.checkpoint, cfg.run_uri, rank, world,
                                    protect=(f"{cfg.run_uri}/{ckpt.dir_name(state.step)}",) if resumed else ())
-    notice = PreemptionNotice(rank, world, cfg.checkpoint.preemption_check_s, cfg.checkpoint.on_preemption)
+    interval = CheckpointInterval(cfg.checkpoint.every_n_steps, cfg.checkpoint.mtbf_s,
+                                  cfg.checkpoint.auto_initial_cost_s, *run_history(cfg.run_uri))
+    notice = PreemptionNotice(rank, world, cfg.checkpoint.preemption_check_s, cfg.checkpoint.on_preemption,
+                              carry_checkpoint=interval.auto)
     config_yaml = cfg.to_yaml()
     mb, acc, gb, seq = cfg.batch.micro_batch_size, cfg.accumulation, cfg.global_batch, cfg.model.seq_len
-    fpt = flops_per_token(n_params, cfg.model)
+    fpt = flops_per_token(n_active, cfg.model)
     tel = Telemetry(cfg, rank, world, cuda, fpt, log=say)  # metrics export, phase timers, health rules
+    # Names the collective a rank waits in; a timeout becomes a diagnosis, not a hang.
+    comm = CommWatch(rank, world, "nccl" if cuda else "gloo", cfg.scaling.collective_timeout_s,
+                     count=lambda rule: tel.metrics.count("raytrain_health_violations_total", rule=rule),
+                     report=lambda msg: storage.write_text(storage.join(cfg.run_uri, COMM_FAILURE_FILE), msg))
     if rank == 0:
-        say(f"{cfg.model.family} {n_params/1e6:.2f}M params | {world} workers x micro_batch {mb} x "
+        workers = f"{world} workers" if dp_size == world else f"{dp_size} data-parallel x {world // dp_size} tensor-parallel workers"
+        say(f"{cfg.model.family} {n_params/1e6:.2f}M params | {workers} x micro_batch {mb} x "
               f"accumulation {acc} = global batch {gb} sequences ({gb*seq} tokens) | ZeRO-{cfg.deepspeed.zero_stage} "
-              f"{dtype} | {'resuming from step ' + str(state.step) if resumed else 'fresh start'}")
+              f"{dtype} | {'resuming from step ' + str(state.step) if resumed else 'fresh start'} | "
+              f"checkpoints {interval.describe()}")
 
     if evaluate and state.step == 0:
         val_loss, val_ppl = evaluate(engine)
@@ -127,19 +166,23 @@ def train_loop_per_worker(loop_config: dict) -> None:
                "world_size": world} if rank == 0 else None
     poison = nan_hook(loop_config.get("inject") or {}, rank, gb)
     window_t, window_steps, data_wait = time.perf_counter(), 0, 0.0
+    boot["setup"] = time.time()
     while state.step < cfg.run.max_steps:
         t0 = time.perf_counter()
         batch = stream.take(gb)  # the whole global batch; this rank trains on its slice of it
+        if attempt is not None:
+            boot["first_batch"] = time.time()
         # A fingerprint of exactly which samples this step trained on: resumed runs are checked against it.
         batch_crc = zlib.crc32(np.ascontiguousarray(batch).tobytes())
         data_wait += (waited := time.perf_counter() - t0)
         tel.timer.add("data_wait", waited)
         loss_sum = torch.zeros((), device=device)
         aux_sum = torch.zeros((), device=device)  # MoE router load-balancing loss, logged as aux_loss
-        with oom_guard(cfg, world, cuda):
+        comm.step = state.step + 1
+        with oom_guard(cfg, world, cuda), comm("forward/backward and the optimizer step (gradient all-reduce)"):
             for a in range(acc):
-                rows = batch[(a * world + rank) * mb:(a * world + rank + 1) * mb]
-                x = torch.from_numpy(np.ascontiguousarray(rows)).to(device, non_blocking=True)
+                rows = batch[(a * dp_size + dp_rank) * mb:(a * dp_size + dp_rank + 1) * mb]
+                x = _to_device(rows, device, cfg.data.pin_memory)
                 with tel.timer("forward_backward"):
                     loss = poison(state.samples_seen, lm_loss(engine, x))
                     aux = moe_aux_loss(engine.module)
@@ -151,7 +194,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
         state.step += 1
         crash_at(state.step)
         # Every step, one scalar all-reduce: all ranks judge the same loss, so all take the same action.
-        step_loss = _mean_across_ranks(loss_sum / acc, world)
+        with comm("the all-reduce of the step loss"):
+            step_loss = _mean_across_ranks(loss_sum / acc, world)
         bad = tel.health.check_step(state.step, step_loss)
         if bad is not None and bad.action != "warn":
             writer.wait()  # the newest checkpoint must be committed before it can be rolled back to
@@ -161,9 +205,12 @@ def train_loop_per_worker(loop_config: dict) -> None:
             window_t, window_steps, data_wait = time.perf_counter(), 0, 0.0
             tel.timer.take(1)
             continue
-        preempted = notice.poll(state.step)  # collective, every step: all ranks agree on when to save
+        # Collective, every step: all ranks agree on when to save (a notice, or rank 0's auto interval).
+        with comm("the per-step agreement all-reduce (preemption notice, checkpoint)"):
+            preempted = notice.poll(state.step, want_checkpoint=interval.auto and rank == 0 and interval.due(state.step))
         if attempt is not None:
-            record_attempt(cfg.run_uri, {**attempt, "first_step_time": round(time.time(), 3)})
+            record_attempt(cfg.run_uri, {**attempt, "first_step_time": round(time.time(), 3),
+                                         "startup_s": {k: round(v - t_start, 3) for k, v in boot.items()}})
             attempt = None
         state.samples_seen += gb
         state.tokens_seen += gb * seq
@@ -172,8 +219,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
         last = state.step == cfg.run.max_steps
         do_log = state.step % cfg.run.log_every == 0 or last
         do_eval = evaluate is not None and ((cfg.run.eval_every and state.step % cfg.run.eval_every == 0) or last)
-        do_ckpt = (state.step % cfg.checkpoint.every_n_steps == 0 or (last and cfg.checkpoint.save_final)
-                   or preempted is not None)
+        scheduled = notice.checkpoint_agreed if interval.auto else interval.due(state.step)
+        do_ckpt = scheduled or (last and cfg.checkpoint.save_final) or preempted is not None
         if not (do_log or do_eval or do_ckpt):
             continue
 
@@ -204,8 +251,10 @@ def train_loop_per_worker(loop_config: dict) -> None:
                 say(f"preemption notice at step {state.step}: {preempted}; checkpointing now")
             name = writer.save(engine, state, config_yaml)
             tel.checkpoint_saved(writer.last_stall_s)
+            interval.saved(writer.last_stall_s)
             log.write({"step": state.step, "checkpoint": name, "ckpt_stall_s": writer.last_stall_s,
-                       "ckpt_mode": cfg.checkpoint.upload, "preemption_checkpoint": preempted is not None})
+                       "ckpt_mode": cfg.checkpoint.upload, "preemption_checkpoint": preempted is not None,
+                       **({"auto_interval_s": round(interval.interval_s, 2)} if interval.auto else {})})
             if rank == 0:
                 say(f"checkpoint {name}: training paused {writer.last_stall_s:.2f}s ({cfg.checkpoint.upload} upload)")
             if preempted:
@@ -225,13 +274,15 @@ def train_loop_per_worker(loop_config: dict) -> None:
     if rank == 0:
         _write_summary(cfg, log, state, last_ckpt, n_params, extra=tel.summary())
     tel.close()
+    comm.close()
 
 
 def _crash_hook(inject: dict, rank: int):
     """Fault injection for tests and chaos drills: signal this worker process at given steps.
 
     `inject = {"crash_at_step": N, "rank": r, "signal": "SIGKILL", "marker": path}` for one event, or
-    `{"events": [{"step": N, "rank": r, "signal": ...}, ...], "marker": dir}` for several. A marker
+    `{"events": [{"step": N, "rank": r, "signal": ...}, ...], "marker": dir}` for several ("STALL" with
+    "seconds": the rank hangs instead). A marker
     file per event makes each fire once, so the restarted worker trains on past that step. SIGTERM
     goes through the worker's real handler (a preemption checkpoint); SIGKILL dies on the spot.
     """
@@ -271,6 +322,8 @@ def _crash_hook(inject: dict, rank: int):
                                 break
                             time.sleep(0.1)
                         time.sleep(8)
+                elif sig == "STALL":
+                    time.sleep(e.get("seconds", 60))  # a hung rank: its peers wait in the next collective
                 else:
                     os.kill(os.getpid(), getattr(signal, sig))
 
@@ -280,8 +333,6 @@ def _crash_hook(inject: dict, rank: int):
 def _write_summary(cfg: Config, log: RunLog, state: ckpt.TrainState, last_ckpt, n_params: int,
                    extra: dict | None = None) -> None:
     import json
-
-    from raytrain import storage
 
     tps = [r["tokens_per_s"] for r in log.history if "tokens_per_s" in r]
     steady = tps[1:] or tps  # the first window includes warm-up (allocation, first data read)
