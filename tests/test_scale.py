@@ -13,6 +13,7 @@ import torch
 
 from raytrain import storage
 from raytrain.config import load_config
+from raytrain.data.manifest import load_split
 from raytrain.ds_config import build_ds_config
 from raytrain.errors import UserError
 from raytrain.export import export, load_checkpoint
@@ -69,7 +70,7 @@ def test_mixture_of_experts_trains_logs_aux_loss_resumes_and_exports(ray_cluster
         tiny_data, tmp_path, "moe", "model.family=mixtral", "model.moe_experts=4", "model.moe_top_k=2",
         "model.moe_aux_loss_coef=0.02", "model.n_head=2", "model.n_kv_head=1", "model.intermediate_size=64")
     # Achieved FLOP/s count the parameters a token passes through (top-2 of 4 experts), not all of them.
-    model = build_model(cfg.model, cfg.model.vocab_size or 300, seed=0)
+    model = build_model(cfg.model, load_split(cfg.data.train, "data.train").vocab_size, seed=0)
     total, active = param_counts(model, cfg.model)
     assert total == summary["params"] and active < total
     for r in recs:
