@@ -11,7 +11,6 @@ with the `cost` config section, and prints the checkpoint interval that minimise
 from __future__ import annotations
 
 import json
-import math
 import threading
 import time
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from typing import Any, Optional
 
 from raytrain import storage
 from raytrain.errors import UserError
+from raytrain.worker.interval import young_daly_s
 
 NODES = "nodes.json"
 
@@ -118,11 +118,6 @@ class NodeRecorder:
             self.write()
         except Exception:  # noqa: BLE001
             pass
-
-
-def young_daly_s(checkpoint_cost_s: float, mtbf_s: float) -> float:
-    """The checkpoint interval (seconds of work) that minimises expected lost time: sqrt(2 C M)."""
-    return math.sqrt(2.0 * checkpoint_cost_s * mtbf_s)
 
 
 def _jsonl(uri: str) -> list[dict]:
@@ -260,6 +255,7 @@ def format_report(r: dict) -> str:
         lines.append(f"  Young-Daly checkpoint interval: sqrt(2 x {ck:.2f}s x MTBF {r['mtbf_s']:.0f}s ({r['mtbf_source']})) "
                      f"= {r['young_daly_s']:.0f}s" + (f" = checkpoint.every_n_steps={r['young_daly_steps']} "
                                                        f"at {r['step_s']:.2f}s/step" if r["young_daly_steps"] else ""))
+        lines.append("    (checkpoint.every_n_steps=auto recomputes this during the run from its own measurements)")
     else:
         why = "no checkpoint cost measured" if not ck else "no interruption observed (pass --mtbf-hours)"
         lines.append(f"  Young-Daly checkpoint interval: n/a ({why})")

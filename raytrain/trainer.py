@@ -141,11 +141,11 @@ def check_cluster(cfg: Config, local: bool) -> None:
 
 
 def _root_user_error(err: BaseException) -> Optional[str]:
-    """Find a UserError raised inside a worker, so the CLI can print its one line."""
+    """Find a UserError (or a collective's diagnosis) raised inside a worker, so the CLI can print its one line."""
     text = str(err)
-    marker = "UserError: "
-    if marker in text:
-        return text.split(marker, 1)[1].strip().splitlines()[0]
+    for marker in ("UserError: ", "CommunicationError: "):
+        if marker in text:
+            return text.split(marker, 1)[1].strip().splitlines()[0]
     cause = err.__cause__ or err.__context__
     return _root_user_error(cause) if cause else None
 
@@ -181,6 +181,7 @@ def train(cfg: Config, log: Callable[[str], None] = print, reader: str = "ray", 
     from ray.train.torch import TorchConfig
 
     from raytrain.model import apply_init_from
+    from raytrain.worker.comm import FAILURE_FILE as COMM_FAILURE_FILE
     from raytrain.worker.loop import train_loop_per_worker
 
     cfg = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(
@@ -204,7 +205,7 @@ def train(cfg: Config, log: Callable[[str], None] = print, reader: str = "ray", 
         train_loop_config={"config": cfg.to_dict(), "train_split": train_split.to_dict(),
                            "val_split": val_split.to_dict() if val_split else None, "reader": reader,
                            "inject": inject},
-        torch_config=TorchConfig(backend="nccl" if s.use_gpu else "gloo"),
+        torch_config=TorchConfig(backend="nccl" if s.use_gpu else "gloo", timeout_s=s.collective_timeout_s),
         scaling_config=ScalingConfig(num_workers=s.num_workers, use_gpu=s.use_gpu, resources_per_worker=resources),
         run_config=RunConfig(
             name=cfg.run.name,
@@ -220,11 +221,15 @@ def train(cfg: Config, log: Callable[[str], None] = print, reader: str = "ray", 
     from raytrain.cost import NodeRecorder
 
     recorder = NodeRecorder(cfg.run_uri) if cfg.cost.record_nodes else contextlib.nullcontext()
+    comm_file = storage.join(cfg.run_uri, COMM_FAILURE_FILE)
+    storage.delete_file(comm_file)  # an earlier submission's diagnosis is not this one's
     try:
         with recorder:
             trainer.fit()
     except Exception as e:  # noqa: BLE001 - Ray wraps worker errors; surface ours as one line
         msg = _root_user_error(e)
+        if msg and "CommunicationError: " in str(e) and storage.exists(comm_file):
+            msg = storage.read_text(comm_file).strip()  # whole: Ray truncates a worker's error text
         if msg:
             raise UserError(msg) from None
         raise

@@ -33,12 +33,18 @@ def _default_address() -> str:
     return os.environ.get("RAYTRAIN_GCS_ADDRESS") or f"127.0.0.1:{os.environ.get('RAYTRAIN_CLUSTER_PORT', '6391')}"
 
 
+_GCS_PORT: list[str] = []  # this cluster's GCS port, set by main()
+
+
 def _raylet_pid(node_id: str) -> int | None:
-    """The raylet of a node on this machine: its command line carries `--node_id=<hex>`."""
+    """The raylet of a node of THIS cluster: its command line carries `--node_id=<hex>` and our GCS port
+    (fake node ids repeat across clusters - fff...01 in every one - so the id alone can pick another's)."""
     flag = f"--node_id={node_id}"
     for p in psutil.process_iter(["pid", "name", "cmdline"]):
         try:
-            if flag in (p.info["cmdline"] or []):
+            cmd = p.info["cmdline"] or []
+            if flag in cmd and (not _GCS_PORT or any(a.startswith("--gcs-address=") and a.rsplit(":", 1)[-1] == _GCS_PORT[0]
+                                                     for a in cmd)):
                 return p.info["pid"]
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
@@ -56,11 +62,36 @@ def pick_node(node_type: str) -> dict:
         raise SystemExit(f"preempt: no alive node with resource {node_type!r}; is a job running on the cluster?")
     try:
         busy = {a["node_id"] for a in list_actors(filters=[("class_name", "=", "RayTrainWorker"),
-                                                           ("state", "=", "ALIVE")])}
+                                                           ("state", "=", "ALIVE")], timeout=10)}
     except Exception:  # noqa: BLE001 - the state API is a preference, not a requirement
         busy = set()
+    # The fake nodes are local processes: a node whose raylet has a `ray::RayTrainWorker` process under
+    # it hosts a training worker. This does not depend on the state API answering in time.
+    busy |= {n["NodeID"] for n in nodes if _hosts_train_worker(n["NodeID"])}
     nodes.sort(key=lambda n: (n["NodeID"] not in busy, n["NodeID"]))
-    return nodes[0]
+    return {**nodes[0], "hosts_train_worker": nodes[0]["NodeID"] in busy}
+
+
+def _hosts_train_worker(node_id: str) -> bool:
+    return any(t.startswith("ray::RayTrainWorker") for t in _titles(node_id))
+
+
+def _titles(node_id: str) -> list[str]:
+    """Process titles under a local node's raylet (Ray names workers `ray::<Actor>`)."""
+    pid = _raylet_pid(node_id)
+    if pid is None:
+        return []
+    try:
+        kids = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    out = []
+    for p in kids:
+        try:
+            out.append(" ".join(p.cmdline())[:60])
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return out
 
 
 def drain(address: str, node_id: str, notice_s: float, message: str) -> bool:
@@ -99,9 +130,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="GCS address host:port (default: 127.0.0.1:$RAYTRAIN_CLUSTER_PORT, as local_cluster.sh uses)")
     ap.add_argument("--node-id", help="hex id of the node to reclaim (default: pick a busy --node-type node)")
     ap.add_argument("--node-type", default="spot", help="custom resource that marks reclaimable nodes (default spot)")
+    ap.add_argument("--wait-busy", type=float, default=0.0, metavar="SECONDS",
+                    help="wait up to this long for a node that runs a Ray Train worker (default: take any node at once)")
     ap.add_argument("--notice", type=float, default=None, metavar="SECONDS",
                     help="drain with reason PREEMPTION and this deadline first, kill at the deadline")
     args = ap.parse_args(argv)
+    _GCS_PORT[:] = [args.address.rsplit(":", 1)[-1]]
 
     # The clusters we start use token auth (pitfalls #2); Ray reads the mode when first imported.
     os.environ.setdefault("RAY_AUTH_MODE", "token")
@@ -111,13 +145,21 @@ def main(argv: list[str] | None = None) -> int:
     try:
         node = next((n for n in ray.nodes() if n["NodeID"] == args.node_id), None) if args.node_id \
             else pick_node(args.node_type)
+        t_end = time.time() + args.wait_busy
+        while not args.node_id and not node["hosts_train_worker"] and time.time() < t_end:
+            time.sleep(1)  # a worker group being (re)started: its actors are not placed yet
+            node = pick_node(args.node_type)
+        if args.wait_busy and not node.get("hosts_train_worker"):
+            seen = {n["NodeID"][-6:]: _titles(n["NodeID"]) for n in ray.nodes() if n["Alive"]}
+            raise SystemExit(f"preempt: no node runs a Ray Train worker after {args.wait_busy:g}s; processes per node: {seen}")
         if node is None:
             raise SystemExit(f"preempt: no node {args.node_id} in the cluster at {args.address}")
     finally:
         ray.shutdown()
     node_id = node["NodeID"]
     event = {"event": "preemption", "node_id": node_id, "address": args.address, "notice_s": args.notice,
-             "resources": node["Resources"], "t_notice": None, "drain_accepted": None}
+             "resources": node["Resources"], "hosts_train_worker": node.get("hosts_train_worker"),
+             "t_notice": None, "drain_accepted": None}
     if args.notice is not None:
         event["t_notice"] = time.time()
         event["drain_accepted"] = drain(args.address, node_id, args.notice,

@@ -3,6 +3,7 @@ an injected NaN loss rolled back to the last checkpoint with its data window ski
 
 import json
 import math
+import re
 
 import pytest
 
@@ -175,3 +176,44 @@ def test_repeated_violations_stop_the_run_with_a_report(ray_cluster, tiny_data, 
         train(cfg, log=lambda *_: None, inject={"nan_at_step": 3})
     report = json.loads((tmp_path / "stop" / "health.json").read_text())
     assert report["health_violations"] == {"loss_not_finite": 1} and report["history"]["loss"]
+
+
+def test_comm_watch_names_rank_collective_and_settings_and_warns_when_slow():
+    import time
+
+    from raytrain.worker.comm import CommunicationError, CommWatch
+
+    logged, counted = [], []
+    watch = CommWatch(1, 4, "gloo", timeout_s=0.4, count=counted.append, log=logged.append, poll_s=0.05)
+    watch.step = 7
+    with watch("the all-reduce of the step loss"):
+        time.sleep(0.5)  # past half the timeout: warned once, counted
+    assert counted == ["comm_slow"] and "rank 1 has waited" in logged[0] and "step 7" in logged[0]
+    err = RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 400ms for recv operation to complete")
+    with pytest.raises(CommunicationError) as e, watch("the all-reduce of the step loss"):
+        raise err
+    msg = str(e.value)
+    assert msg.startswith("communication failure on rank 1 of 4 at step 7, in the all-reduce of the step loss")
+    for part in ("backend gloo", "scaling.collective_timeout_s=0.4", "GLOO_SOCKET_IFNAME=", "Timed out waiting",
+                 "ray status"):
+        assert part in msg, part
+    assert counted[-1] == "comm_timeout"
+    with pytest.raises(ValueError), watch("x"):  # not a communication failure: passed through untouched
+        raise ValueError("bad value")
+    watch.close()
+
+
+@pytest.mark.slow
+def test_a_stalled_rank_gives_a_named_communication_timeout_not_a_hang(ray_cluster, tiny_data, tmp_path):
+    from raytrain.errors import UserError
+    from raytrain.trainer import train
+    from tests.conftest import tiny_cfg
+
+    cfg = tiny_cfg(tiny_data, tmp_path, "stall", "run.max_steps=8", "scaling.collective_timeout_s=6",
+                   "metrics.prometheus=false")
+    with pytest.raises(UserError, match=r"communication failure on rank 0 of 2 at step 3, in the all-reduce of the "
+                                        r"step loss, after \d+\.\ds \(backend gloo, scaling.collective_timeout_s=6") as e:
+        train(cfg, log=lambda *_: None, inject={"events": [{"step": 3, "rank": 1, "signal": "STALL", "seconds": 60}],
+                                                 "marker": str(tmp_path / "stalled")})
+    waited = float(re.search(r"after (\d+\.\d)s", str(e.value)).group(1))
+    assert 5 <= waited < 30  # the 6 s timeout, not the 60 s stall, ended it

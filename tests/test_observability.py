@@ -24,7 +24,7 @@ def test_alert_rules_pass_promtool_and_name_exported_metrics():
     _, promtool = ensure_prometheus()
     out = subprocess.run([promtool, "check", "rules", str(OBS / "alerts.yml")], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "SUCCESS: 10 rules found" in out.stdout
+    assert "SUCCESS: 11 rules found" in out.stdout
     import yaml
 
     rules = yaml.safe_load((OBS / "alerts.yml").read_text())["groups"][0]["rules"]

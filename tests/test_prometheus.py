@@ -155,7 +155,7 @@ def test_prometheus_scrapes_raytrain_series(tiny_data, tmp_path):
         with urllib.request.urlopen(f"{base}/api/v1/rules", timeout=10) as r:
             groups = json.loads(r.read())["data"]["groups"]
         rules = [x for g in groups for x in g["rules"]]
-        assert len(rules) == 10 and all(x["health"] == "ok" for x in rules), [(x["name"], x.get("lastError")) for x in rules]
+        assert len(rules) == 11 and all(x["health"] == "ok" for x in rules), [(x["name"], x.get("lastError")) for x in rules]
     finally:
         server.terminate()
         server.wait(timeout=30)

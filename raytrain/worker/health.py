@@ -96,11 +96,6 @@ def oom_message(cfg: Config, world: int, memory: Optional[dict] = None) -> str:
             f"Try: {'; or '.join(tries)}")
 
 
-COMM_ADVICE = ("a collective did not complete: check that every worker is alive (`ray status`), the network "
-               "interface (NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME), TORCH_NCCL_ASYNC_ERROR_HANDLING=1 and the "
-               "collective timeout (deepspeed.extra or TorchConfig timeout_s)")
-
-
 # ---- the rules ----
 
 @dataclass

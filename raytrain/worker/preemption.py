@@ -22,8 +22,11 @@ from raytrain.worker.runlog import say
 
 
 class PreemptionNotice:
-    def __init__(self, rank: int, world: int, check_s: float, enabled: bool = True):
+    def __init__(self, rank: int, world: int, check_s: float, enabled: bool = True, carry_checkpoint: bool = False):
         self.rank, self.world, self.check_s, self.enabled = rank, world, check_s, enabled
+        # checkpoint.every_n_steps=auto: rank 0's "checkpoint now" rides on the same all-reduce.
+        self.carry_checkpoint = carry_checkpoint
+        self.checkpoint_agreed = False
         self._last_check = time.monotonic()
         self.sigterm = _SIGTERM
         self._drain_seen = self._sigterm_seen = False
@@ -44,17 +47,22 @@ class PreemptionNotice:
             say(f"warning: rank {self.rank}: SIGTERM handler not installed ({_first_line(e)}); only drain "
                 "notices will trigger a preemption checkpoint")
 
-    def poll(self, step: int) -> Optional[str]:
-        """Called by every rank after every step; returns a reason once per new notice, else None."""
-        if not self.enabled:
+    def poll(self, step: int, want_checkpoint: bool = False) -> Optional[str]:
+        """Called by every rank after every step; returns a reason once per new notice, else None.
+        `checkpoint_agreed` then says whether any rank passed `want_checkpoint`."""
+        self.checkpoint_agreed = False
+        if not (self.enabled or self.carry_checkpoint):
             return None
-        # [any rank got SIGTERM, rank 0's clock says it is time to ask Ray]: one all-reduce carries both,
-        # so the (barrier) query to Ray happens on every rank at the same step, every check_s seconds.
-        due = self.rank == 0 and not self._drain_seen and time.monotonic() - self._last_check >= self.check_s
-        flag = torch.tensor([1 if self.sigterm.is_set() else 0, 1 if due else 0], dtype=torch.int32)
+        # [any rank got SIGTERM, rank 0's clock says it is time to ask Ray, a scheduled checkpoint]: one
+        # all-reduce carries all three, so the (barrier) query to Ray happens on every rank at the same
+        # step, every check_s seconds, and every rank saves at the same step.
+        due = (self.enabled and self.rank == 0 and not self._drain_seen
+               and time.monotonic() - self._last_check >= self.check_s)
+        sig = self.enabled and self.sigterm.is_set()
+        flag = torch.tensor([int(sig), int(due), int(want_checkpoint)], dtype=torch.int32)
         if self.world > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        sigterm, due = flag.tolist()
+        sigterm, due, self.checkpoint_agreed = flag.tolist()
         if sigterm and not self._sigterm_seen:
             self._sigterm_seen = True
             return "SIGTERM"

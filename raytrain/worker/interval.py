@@ -1,0 +1,83 @@
+"""When to checkpoint: every N steps, or `auto` - the Young-Daly interval from measured cost and failure rate.
+
+Young-Daly: with a checkpoint costing C seconds of training and interruptions every M seconds on
+average, checkpointing every sqrt(2 C M) seconds of work minimises the expected time lost (saving
+too often pays C too often; too rarely re-trains too much after each interruption).
+
+Under `auto`, C is the mean training stall of this run's checkpoints so far (before the first one, an
+assumed `auto_initial_cost_s`); M is `checkpoint.mtbf_s` until interruptions are seen, then
+(mtbf_s + the run's wall time) / (1 + restarts) - the prior counts as one interval already observed,
+so one early preemption does not make the run checkpoint every step. Rank 0 decides on its own clock
+and the loop's per-step agreement (worker/preemption.py) makes every rank save at the same step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from typing import Optional
+
+from raytrain import storage
+
+
+def young_daly_s(checkpoint_cost_s: float, mtbf_s: float) -> float:
+    """The checkpoint interval (seconds of work) that minimises expected lost time: sqrt(2 C M)."""
+    return math.sqrt(2.0 * checkpoint_cost_s * mtbf_s)
+
+
+def run_history(run_uri: str) -> tuple[Optional[float], int]:
+    """(start time of the run's first attempt, attempts before this one) from attempts.jsonl: each
+    earlier attempt ended in an interruption, or this one would not exist."""
+    uri = storage.join(run_uri, "attempts.jsonl")
+    if not storage.exists(uri):
+        return None, 0
+    times = []
+    for line in storage.read_text(uri).splitlines():
+        try:
+            times.append(float(json.loads(line)["time"]))
+        except (ValueError, KeyError, TypeError):
+            continue  # a torn last line from a killed writer
+    return (min(times) if times else None), len(times)
+
+
+class CheckpointInterval:
+    def __init__(self, every_n_steps: int | str, mtbf_s: float, initial_cost_s: float,
+                 run_started: Optional[float] = None, restarts: int = 0):
+        self.auto = every_n_steps == "auto"
+        self.every = None if self.auto else int(every_n_steps)
+        self.prior_mtbf_s, self.restarts = mtbf_s, restarts
+        self.run_started = run_started or time.time()
+        self.costs: list[float] = []
+        self.initial_cost_s = initial_cost_s
+        self._since = time.monotonic()  # the end of the last checkpoint (or this attempt's start)
+
+    @property
+    def cost_s(self) -> float:
+        return sum(self.costs) / len(self.costs) if self.costs else self.initial_cost_s
+
+    @property
+    def mtbf_s(self) -> float:
+        return (self.prior_mtbf_s + (time.time() - self.run_started)) / (1 + self.restarts)
+
+    @property
+    def interval_s(self) -> float:
+        return young_daly_s(self.cost_s, self.mtbf_s)
+
+    def due(self, step: int) -> bool:
+        """Fixed: every N steps (the same answer on every rank). Auto: rank 0's clock says so; the
+        caller must agree on it across ranks."""
+        if not self.auto:
+            return step % self.every == 0
+        return time.monotonic() - self._since >= self.interval_s
+
+    def saved(self, stall_s: float) -> None:
+        """A checkpoint was taken and training paused `stall_s` for it."""
+        self.costs.append(stall_s)
+        self._since = time.monotonic()
+
+    def describe(self) -> str:
+        if not self.auto:
+            return f"every {self.every} steps"
+        return (f"auto: every {self.interval_s:.0f}s of training (checkpoint cost {self.cost_s:.2f}s, "
+                f"mean time between interruptions {self.mtbf_s / 3600:.2f}h)")

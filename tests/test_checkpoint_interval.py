@@ -1,0 +1,80 @@
+"""checkpoint.every_n_steps=auto: the Young-Daly interval from measured cost and failure rate, agreed by all ranks."""
+
+import json
+import math
+
+import pytest
+
+from raytrain import storage
+from raytrain.errors import UserError
+from raytrain.config import load_config
+from raytrain.trainer import train
+from raytrain.worker.interval import CheckpointInterval, run_history, young_daly_s
+from tests.conftest import tiny_cfg
+
+
+def test_young_daly_and_the_failure_rate_estimate(monkeypatch):
+    assert young_daly_s(2.0, 3600.0) == pytest.approx(120.0)
+    clock = {"wall": 1000.0, "mono": 50.0}
+    monkeypatch.setattr("raytrain.worker.interval.time.time", lambda: clock["wall"])
+    monkeypatch.setattr("raytrain.worker.interval.time.monotonic", lambda: clock["mono"])
+    iv = CheckpointInterval("auto", mtbf_s=3600.0, initial_cost_s=2.0, run_started=1000.0, restarts=0)
+    # Nothing measured, nothing seen: the prior alone.
+    assert iv.mtbf_s == 3600.0 and iv.interval_s == pytest.approx(120.0)
+    assert not iv.due(1)
+    clock["mono"] += 119.0
+    assert not iv.due(2)
+    clock["mono"] += 2.0
+    assert iv.due(3)
+    # A measured cost replaces the assumed one; the clock restarts at the save.
+    iv.saved(0.5)
+    assert iv.cost_s == 0.5 and not iv.due(4)
+    # An hour of wall time without interruptions raises the estimate; a restart lowers it.
+    clock["wall"] += 3600.0
+    assert iv.mtbf_s == pytest.approx(7200.0)
+    after_restart = CheckpointInterval("auto", 3600.0, 2.0, run_started=1000.0, restarts=3)
+    assert after_restart.mtbf_s == pytest.approx(7200.0 / 4)
+    no_restart = CheckpointInterval("auto", 3600.0, 2.0, run_started=1000.0, restarts=0)
+    assert after_restart.interval_s == pytest.approx(no_restart.interval_s / 2)
+    fixed = CheckpointInterval(5, 3600.0, 2.0)
+    assert [s for s in range(1, 16) if fixed.due(s)] == [5, 10, 15] and "every 5 steps" in fixed.describe()
+
+
+def test_run_history_counts_earlier_attempts_and_ignores_a_torn_line(tmp_path):
+    assert run_history(str(tmp_path)) == (None, 0)
+    (tmp_path / "attempts.jsonl").write_text('{"attempt": 0, "time": 100.5}\n{"attempt": 1, "time": 160.0}\n{"attem')
+    assert run_history(str(tmp_path)) == (100.5, 2)
+
+
+@pytest.mark.parametrize("value", ["0", "sometimes", "1.5", "true"])
+def test_bad_interval_names_the_key_and_what_is_allowed(value):
+    with pytest.raises(UserError, match=r"checkpoint.every_n_steps': must be a whole number of steps >= 1 or 'auto'"):
+        load_config("tiny", [f"checkpoint.every_n_steps={value}"])
+
+
+@pytest.mark.slow
+def test_auto_interval_checkpoints_on_time_and_resumes_after_a_crash(ray_cluster, tiny_data, tmp_path):
+    # A tiny MTBF prior makes the Young-Daly interval about a second on this tiny model, so a short run
+    # takes several checkpoints at steps no fixed interval would choose.
+    mtbf, cost0 = 0.5, 0.5
+    cfg = tiny_cfg(tiny_data, tmp_path, "auto", "checkpoint.every_n_steps=auto", f"checkpoint.mtbf_s={mtbf}",
+                   f"checkpoint.auto_initial_cost_s={cost0}", "run.max_steps=40", "run.max_failures=1",
+                   "checkpoint.keep_last=20")
+    summary = train(cfg, log=lambda *_: None, inject={"crash_at_step": 25, "marker": str(tmp_path / "crashed")})
+    assert summary["steps"] == 40 and summary["restarts"] == 1
+    recs = [json.loads(x) for x in storage.read_text(f"{tmp_path}/auto/metrics.jsonl").splitlines()]
+    saves = [r for r in recs if "checkpoint" in r]
+    auto_saves = [r for r in saves if "auto_interval_s" in r and r["step"] != 40]
+    assert len(auto_saves) >= 2, saves
+    stalls = [r["ckpt_stall_s"] for r in saves]
+    wall = summary["wall_s"] + 60
+    for r in auto_saves:  # sqrt(2 C M) with C between the cheapest stall and the assumed cost, M within the run
+        lo = young_daly_s(min(stalls + [cost0]), mtbf) * 0.99
+        hi = young_daly_s(max(stalls + [cost0]), (mtbf + wall))
+        assert lo <= r["auto_interval_s"] <= hi, (r, lo, hi)
+    # Every save was committed by all ranks together (a disagreement would have hung or left no manifest).
+    for r in saves:
+        assert storage.exists(f"{tmp_path}/auto/{r['checkpoint']}/manifest.json") or r["step"] < 25
+    attempts = [json.loads(x) for x in storage.read_text(f"{tmp_path}/auto/attempts.jsonl").splitlines()]
+    committed_before_crash = [r["step"] for r in auto_saves if r["step"] < 25]
+    assert attempts[-1]["resumed_step"] in committed_before_crash, (attempts, committed_before_crash)
