@@ -96,15 +96,16 @@ def check_resume_compatible(cfg: Config) -> Config:
     print(f"[raytrain] resuming run {cfg.run.name} from {info.uri} (step {info.step}, {wrote} workers)", flush=True)
     if not old_gb or old_gb == cfg.global_batch:
         return cfg
-    per_step = cfg.batch.micro_batch_size * cfg.scaling.num_workers
+    dp = cfg.data_parallel_size  # tensor-parallel ranks share a batch: only data-parallel ranks add to it
+    per_step = cfg.batch.micro_batch_size * dp
     if old_gb % per_step:
         raise UserError(f"run {cfg.run.name} was trained with a global batch of {old_gb} sequences; with "
-                        f"{cfg.scaling.num_workers} workers x micro_batch_size {cfg.batch.micro_batch_size} it cannot be "
+                        f"{dp} data-parallel workers x micro_batch_size {cfg.batch.micro_batch_size} it cannot be "
                         f"kept (not a multiple of {per_step}); choose batch.micro_batch_size dividing "
-                        f"{old_gb // cfg.scaling.num_workers if old_gb % cfg.scaling.num_workers == 0 else 'it'}")
+                        f"{old_gb // dp if old_gb % dp == 0 else 'it'}")
     acc = old_gb // per_step
     print(f"[raytrain] keeping the run's global batch of {old_gb}: gradient_accumulation_steps "
-          f"{cfg.accumulation} -> {acc} for {cfg.scaling.num_workers} workers", flush=True)
+          f"{cfg.accumulation} -> {acc} for {dp} data-parallel workers", flush=True)
     batch = cfg.batch.model_copy(update={"gradient_accumulation_steps": acc, "global_batch_size": None})
     return cfg.model_copy(update={"batch": batch})
 
