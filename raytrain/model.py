@@ -58,6 +58,13 @@ def build_model(cfg: ModelConfig, vocab_size: int, seed: int, eot_id: Optional[i
     return model
 
 
+def compile_engine(engine, cfg: ModelConfig) -> None:
+    """model.compile: torch.compile through DeepSpeed's engine.compile, which compiles the module in place, so
+    parameter names - and with them checkpoints - are the same as without it."""
+    if cfg.compile:
+        engine.compile()
+
+
 def _keep_aux_loss(module, args, output) -> None:
     module.raytrain_aux_loss = output.aux_loss
 

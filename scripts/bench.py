@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> dict:
             size = (96 if args.quick else 384) << 20
             section(f"3. checkpoint: {size >> 20} MiB to moto S3 on 127.0.0.1 via raytrain.storage "
                     "vs raw boto3; async vs sync upload stall",
-                    lambda: P.checkpoint(tmp, "bench", size, 2 if args.quick else 3))
+                    lambda: P.checkpoint(tmp, "bench", size, 4))
         if "recovery" in parts:
             section("4. recovery: SIGKILL of one of 2 workers",
                     lambda: P.recovery(data, tmp, args.quick))

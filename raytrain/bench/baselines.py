@@ -37,7 +37,7 @@ def _worker(rank: int, world: int, port: int, cfg_dict: dict, split_dict: dict, 
 
     from raytrain.config import Config
     from raytrain.ds_config import lr_lambda
-    from raytrain.model import build_model
+    from raytrain.model import build_model, compile_engine
     from raytrain.worker.loop import _param_groups
 
     cfg = Config.model_validate(cfg_dict)
@@ -61,15 +61,18 @@ def _worker(rank: int, world: int, port: int, cfg_dict: dict, split_dict: dict, 
             model=model, model_parameters=_param_groups(model, o.weight_decay),
             config=build_ds_config(cfg, world, "fp32", False), dist_init_required=False,
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg)))
+        compile_engine(engine, cfg.model)  # model.compile, as raytrain's loop does it
     else:
         opt = torch.optim.AdamW(_param_groups(model, o.weight_decay), lr=o.lr, betas=tuple(o.betas), eps=o.eps)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
         if world > 1:
             model = torch.nn.parallel.DistributedDataParallel(model)
         model.train()
+        if cfg.model.compile:
+            model.compile()
     mb, seq = cfg.batch.micro_batch_size, cfg.model.seq_len
     gb = mb * world
-    windows, pos, t = [], 0, time.perf_counter()
+    windows, losses, pos, t = [], [], 0, time.perf_counter()
     for step in range(1, cfg.run.max_steps + 1):
         if pos + gb > len(rows):
             pos = 0
@@ -86,14 +89,14 @@ def _worker(rank: int, world: int, port: int, cfg_dict: dict, split_dict: dict, 
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)
-        loss.item()  # a loop that logs its loss syncs here too
+        losses.append(loss.item())  # a loop that logs its loss syncs here too
         if step % cfg.run.log_every == 0:
             now = time.perf_counter()
             windows.append(cfg.run.log_every * gb * seq / (now - t))
             t = now
     if rank == 0:
         with open(out, "w") as f:
-            json.dump({"tokens_per_s_windows": windows}, f)
+            json.dump({"tokens_per_s_windows": windows, "losses": losses}, f)
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -101,13 +104,18 @@ def _worker(rank: int, world: int, port: int, cfg_dict: dict, split_dict: dict, 
 def plain_loop(cfg, split_dict: dict, out: str, use_deepspeed: bool = False) -> list[float]:
     """Tokens/s per log window of a plain PyTorch loop (one process) or DDP over gloo (num_workers processes);
     with use_deepspeed, the same loop driving raytrain's DeepSpeed engine config instead of AdamW / DDP."""
+    return plain_run(cfg, split_dict, out, use_deepspeed)["tokens_per_s_windows"]
+
+
+def plain_run(cfg, split_dict: dict, out: str, use_deepspeed: bool = False) -> dict:
+    """plain_loop's whole record: {"tokens_per_s_windows": [...], "losses": [rank 0's loss per step]}."""
     import torch.multiprocessing as mp
 
     world = cfg.scaling.num_workers
     mp.start_processes(_worker, args=(world, _free_port(), cfg.to_dict(), split_dict, out, use_deepspeed),
                        nprocs=world, start_method="spawn", join=True)
     with open(out) as f:
-        return json.load(f)["tokens_per_s_windows"]
+        return json.load(f)
 
 
 def deepspeed_gpu_loop(cfg, vocab: int, steps: int, warmup: int) -> float:

@@ -14,6 +14,8 @@ writes the manifest: the checkpoint is committed. Resume always takes the newest
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
 import random
@@ -259,13 +261,47 @@ def _to_universal(ckpt_dir: str, out_dir: str) -> str:
     return os.path.basename(target)
 
 
+@contextlib.contextmanager
+def _local_copy(checkpoint):
+    """The checkpoint as a local directory: itself when local, else downloaded once per node and removed after.
+
+    Not Ray's `Checkpoint.as_directory`: its copy reads remote files in 1 MiB ranged GETs, which restored at
+    0.2-0.3 of boto3's rate; storage.download_dir reads 16 MiB at a time, files in parallel."""
+    import pyarrow.fs as pafs
+    from filelock import FileLock
+
+    from raytrain import storage
+
+    if isinstance(checkpoint.filesystem, pafs.LocalFileSystem):
+        yield checkpoint.path
+        return
+    # Ranks on one node share one copy (keyed by the checkpoint's path); the last one out removes it.
+    d = os.path.join(tempfile.gettempdir(), "raytrain-restore-" + hashlib.sha1(checkpoint.path.encode()).hexdigest()[:16])
+    with FileLock(d + ".lock"):
+        if not os.path.exists(os.path.join(d, ".complete")):
+            shutil.rmtree(d, ignore_errors=True)
+            storage.download_dir("s3://" + checkpoint.path, d)
+            open(os.path.join(d, ".complete"), "w").close()
+        users = os.path.join(d, ".users")
+        os.makedirs(users, exist_ok=True)
+        me = os.path.join(users, str(os.getpid()))
+        open(me, "w").close()
+    try:
+        yield d
+    finally:
+        with FileLock(d + ".lock"):
+            os.remove(me)
+            if not os.listdir(users):
+                shutil.rmtree(d, ignore_errors=True)
+
+
 def restore(engine, checkpoint, rank: int, world_size: int) -> TrainState:
     """Load engine, RNG and counters from a checkpoint. Collective across ranks.
 
     Written by another number of workers: the engine state is converted to DeepSpeed's universal
     checkpoint format and loaded from there (the engine must be built with `load_universal`).
     """
-    with checkpoint.as_directory() as d:
+    with _local_copy(checkpoint) as d:
         with open(os.path.join(d, STATE)) as f:
             state = TrainState(**json.load(f))
         if state.world_size != world_size:
