@@ -145,7 +145,10 @@ def test_sigterm_checkpoints_at_once_and_resumes_identically(ray_cluster, tiny_d
 
 def test_workers_taking_every_cpu_fail_clearly_instead_of_hanging(ray_cluster, tiny_data, tmp_path):
     """4 logical CPUs, 2 workers x 2 CPUs: Ray Data gets none. The run must end with a diagnosis."""
-    cfg = tiny_cfg(tiny_data, tmp_path, "starved", "scaling.cpus_per_worker=2", "data.stall_timeout_s=20")
+    # The stream reads each epoch's first shuffle window itself (no Ray Data); a small window leaves the
+    # rest of the epoch to Ray Data, which is what starves here.
+    cfg = tiny_cfg(tiny_data, tmp_path, "starved", "scaling.cpus_per_worker=2", "data.stall_timeout_s=20",
+                   "data.shuffle_window=8", "checkpoint.every_n_steps=1000")
     with pytest.raises(UserError, match="no training data arrived for 20s .* need free CPUs"):
         train(cfg, log=lambda *_: None)
     assert not list(tmp_path.rglob("checkpoint_*"))
