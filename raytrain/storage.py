@@ -151,9 +151,52 @@ def upload_file(local_path: str, uri: str) -> None:
 _CHUNK = 16 << 20
 
 
+def _s3_client():
+    """boto3 for bulk uploads, with the same timeouts and retries as the pyarrow filesystem. boto3 reads
+    AWS_ENDPOINT_URL(_S3), the region and credentials from the standard AWS settings itself."""
+    import boto3
+    from botocore.config import Config as BotoConfig
+
+    return boto3.client("s3", config=BotoConfig(
+        connect_timeout=float(os.environ.get("RAYTRAIN_S3_CONNECT_TIMEOUT", 5)),
+        read_timeout=float(os.environ.get("RAYTRAIN_S3_REQUEST_TIMEOUT", 30)),
+        retries={"max_attempts": int(os.environ.get("RAYTRAIN_S3_MAX_ATTEMPTS", 5)), "mode": "standard"},
+        max_pool_connections=32))
+
+
+def _upload_dir_s3(local_dir: str, path: str) -> None:
+    # boto3's transfer manager, not pyarrow: pyarrow's AWS SDK sends every part as an aws-chunked body with a
+    # trailing checksum that some S3-protocol servers (moto among them) decode slowly; boto3's plain signed
+    # parts went 1.7-2x faster to the same server. Files in parallel, each multipart in 16 MiB parts.
+    from concurrent.futures import ThreadPoolExecutor
+
+    from boto3.s3.transfer import TransferConfig
+
+    bucket, _, prefix = path.partition("/")
+    client = _s3_client()
+    cfg = TransferConfig(multipart_threshold=_CHUNK, multipart_chunksize=_CHUNK, max_concurrency=8)
+    files = [p for p in Path(local_dir).rglob("*") if p.is_file()]
+
+    def put(p: Path) -> None:
+        key = f"{prefix}/{p.relative_to(local_dir).as_posix()}" if prefix else p.relative_to(local_dir).as_posix()
+        client.upload_file(str(p), bucket, key, Config=cfg)
+
+    with ThreadPoolExecutor(max_workers=max(1, min(8, len(files)))) as pool:
+        for f in [pool.submit(put, p) for p in files]:
+            f.result()
+
+
 def upload_dir(local_dir: str, uri: str) -> None:
     """Copy a local directory tree under `uri` (multipart and parallel on S3)."""
     fs, path = resolve(uri)
+    if isinstance(fs, pafs.S3FileSystem):
+        from boto3.exceptions import Boto3Error
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            return _upload_dir_s3(local_dir, path)
+        except (Boto3Error, BotoCoreError, ClientError) as e:
+            raise _fail(uri, e, "upload to") from None
     try:
         if isinstance(fs, pafs.LocalFileSystem):
             fs.create_dir(path, recursive=True)
