@@ -4,8 +4,8 @@ Young-Daly: with a checkpoint costing C seconds of training and interruptions ev
 average, checkpointing every sqrt(2 C M) seconds of work minimises the expected time lost (saving
 too often pays C too often; too rarely re-trains too much after each interruption).
 
-Under `auto`, C is the mean training stall of this run's checkpoints so far (before the first one, an
-assumed `auto_initial_cost_s`); M is `checkpoint.mtbf_s` until interruptions are seen, then
+Under `auto`, C is the mean training stall of this run's checkpoints so far, earlier attempts included
+(before the first one, an assumed `auto_initial_cost_s`); M is `checkpoint.mtbf_s` until interruptions are seen, then
 (mtbf_s + the run's wall time) / (1 + restarts) - the prior counts as one interval already observed,
 so one early preemption does not make the run checkpoint every step. Rank 0 decides on its own clock
 and the loop's per-step agreement (worker/preemption.py) makes every rank save at the same step.
@@ -70,6 +70,10 @@ class CheckpointInterval:
         if not self.auto:
             return step % self.every == 0
         return time.monotonic() - self._since >= self.interval_s
+
+    def seed(self, earlier_stalls: list[float]) -> None:
+        """A resumed attempt starts from the checkpoint costs the run already measured, not the assumption."""
+        self.costs = [float(x) for x in earlier_stalls] + self.costs
 
     def saved(self, stall_s: float) -> None:
         """A checkpoint was taken and training paused `stall_s` for it."""

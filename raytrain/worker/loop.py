@@ -137,6 +137,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
                                    protect=(f"{cfg.run_uri}/{ckpt.dir_name(state.step)}",) if resumed else ())
     interval = CheckpointInterval(cfg.checkpoint.every_n_steps, cfg.checkpoint.mtbf_s,
                                   cfg.checkpoint.auto_initial_cost_s, *run_history(cfg.run_uri))
+    interval.seed([r["ckpt_stall_s"] for r in log.history if isinstance(r.get("ckpt_stall_s"), (int, float))])
     notice = PreemptionNotice(rank, world, cfg.checkpoint.preemption_check_s, cfg.checkpoint.on_preemption,
                               carry_checkpoint=interval.auto)
     config_yaml = cfg.to_yaml()
