@@ -170,11 +170,24 @@ def _trainer_class():
     return _TorchTrainer
 
 
+def _env_inject() -> Optional[dict]:
+    import json
+
+    text = os.environ.get("RAYTRAIN_FAULT_INJECT")
+    if not text:
+        return None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UserError(f"RAYTRAIN_FAULT_INJECT is not JSON ({e}); unset it, or see worker/loop.py _crash_hook") from None
+
+
 def train(cfg: Config, log: Callable[[str], None] = print, reader: str = "ray", inject: Optional[dict] = None,
           callbacks: Optional[list] = None) -> dict:
     """Run (or resume) a training run to run.max_steps. Returns the run's summary.json contents.
 
-    `inject` is the fault-injection hook (see worker.loop._crash_hook), for tests and chaos drills.
+    `inject` is the fault-injection hook (see worker.loop._crash_hook), for tests and chaos drills; a job
+    submitted with `ray job submit` can pass it as JSON in RAYTRAIN_FAULT_INJECT.
     `callbacks` are Ray Train callbacks for the run, e.g. Tune's TuneReportCallback when the run is a
     sweep trial (raytrain.sweep): every metrics report of the workers then reaches the Tune trial.
     """
@@ -205,7 +218,7 @@ def train(cfg: Config, log: Callable[[str], None] = print, reader: str = "ray", 
         train_loop_per_worker,
         train_loop_config={"config": cfg.to_dict(), "train_split": train_split.to_dict(),
                            "val_split": val_split.to_dict() if val_split else None, "reader": reader,
-                           "inject": inject},
+                           "inject": inject if inject is not None else _env_inject()},
         torch_config=TorchConfig(backend="nccl" if s.use_gpu else "gloo", timeout_s=s.collective_timeout_s),
         scaling_config=ScalingConfig(num_workers=s.num_workers, use_gpu=s.use_gpu, resources_per_worker=resources),
         run_config=RunConfig(

@@ -85,7 +85,12 @@ def test_spot_job_scales_from_zero_survives_a_reclaim_and_finishes(fake_cluster,
     log_path = tmp_path / "job.log"
     t0 = time.time()
     with open(log_path, "w") as log:
+        # On a quiet machine 60 tiny steps take 2 s, less than a reclaim takes to arrive: both ranks wait at
+        # step 12 (rank 0 hangs, rank 1 in the next collective) until the node goes or 120 s pass. The marker
+        # makes it happen once, so the resumed run goes straight through.
+        stall = {"events": [{"step": 12, "rank": 0, "signal": "STALL", "seconds": 120}], "marker": str(tmp_path / "stall")}
         job = subprocess.Popen([str(BIN / "ray"), "job", "submit", f"--address=http://127.0.0.1:{dash}", "--",
+                                "env", f"RAYTRAIN_FAULT_INJECT={json.dumps(stall)}",
                                 "raytrain", "train", "--config", "tiny", *overrides],
                                env=env, stdout=log, stderr=subprocess.STDOUT)
     seen: dict[str, float] = {}  # spot node id -> first time seen alive
