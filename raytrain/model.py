@@ -158,6 +158,16 @@ def param_count(model: torch.nn.Module) -> int:
     return n
 
 
+def param_counts(model: torch.nn.Module, cfg: ModelConfig) -> tuple[int, int]:
+    """(total, active per token) parameters of a built model: a Mixture-of-Experts token runs through top_k of
+    the experts, so FLOPs (the planner's and the training loop's MFU) follow the active count, memory the total."""
+    total = param_count(model)
+    if cfg.family != "mixtral":
+        return total, total
+    expert = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name or name.endswith(".experts"))
+    return total, total - expert + expert * cfg.moe_top_k // cfg.moe_experts
+
+
 def flops_per_token(n_params: int, cfg: ModelConfig) -> float:
     """Training FLOPs per token: 6N for the weights plus attention's 12 * layers * hidden * seq_len (PaLM, App. B)."""
     return 6.0 * n_params + 12.0 * cfg.n_layer * cfg.hidden_size * cfg.seq_len

@@ -116,29 +116,12 @@ def model_config_for(spec: str, seq_len: Optional[int] = None) -> ModelConfig:
     return m.model_copy(update={"seq_len": seq_len}) if seq_len else m
 
 
-def param_counts(model, cfg: ModelConfig) -> tuple[int, int]:
-    """(total, active per token) parameters of a built model: a Mixture-of-Experts token runs through top_k of
-    the experts, so FLOPs (here and in the training loop's MFU) follow the active count, memory the total."""
-    seen: set[int] = set()
-    total = expert = 0
-    for name, p in model.named_parameters():
-        if id(p) in seen:  # tied embeddings count once
-            continue
-        seen.add(id(p))
-        total += p.numel()
-        if ".experts." in name or name.endswith(".experts"):
-            expert += p.numel()
-    if cfg.family != "mixtral":
-        return total, total
-    return total, total - expert + expert * cfg.moe_top_k // cfg.moe_experts
-
-
 def shape_of(cfg: ModelConfig, vocab: Optional[int] = None) -> Shape:
     """Builds the real transformers model on the meta device (no memory) and reads its sizes."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from raytrain.model import hf_config
+    from raytrain.model import hf_config, param_counts
 
     vocab = vocab or cfg.vocab_size or DEFAULT_VOCAB[cfg.family]
     hfc = hf_config(cfg, vocab)

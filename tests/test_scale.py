@@ -17,8 +17,8 @@ from raytrain.data.manifest import load_split
 from raytrain.ds_config import build_ds_config
 from raytrain.errors import UserError
 from raytrain.export import export, load_checkpoint
-from raytrain.model import build_model, flops_per_token, moe_aux_loss
-from raytrain.plan import param_counts, shape_of
+from raytrain.model import build_model, flops_per_token, moe_aux_loss, param_counts
+from raytrain.plan import shape_of
 from raytrain.trainer import train
 from tests.conftest import tiny_cfg
 

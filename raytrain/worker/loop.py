@@ -20,8 +20,7 @@ from raytrain.config import Config
 from raytrain.data.manifest import Split
 from raytrain.data.stream import SampleStream
 from raytrain.ds_config import build_ds_config, lr_lambda, resolve_dtype
-from raytrain.model import build_model, compile_engine, flops_per_token, moe_aux_loss, param_count
-from raytrain.plan import param_counts
+from raytrain.model import build_model, compile_engine, flops_per_token, moe_aux_loss, param_counts
 from raytrain.worker import checkpoint as ckpt
 from raytrain.worker.comm import FAILURE_FILE as COMM_FAILURE_FILE, CommWatch
 from raytrain.worker.evaluate import Evaluator, lm_loss
@@ -98,8 +97,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     # Model and engine. DeepSpeed reuses the process group Ray Train already set up.
     vocab = cfg.model.vocab_size or train_split.vocab_size
     model = build_model(cfg.model, vocab, cfg.run.seed, train_split.eot_id)
-    n_params = param_count(model)
-    n_active = param_counts(model, cfg.model)[1]  # per token (MoE: top-k experts): the FLOPs behind MFU
+    n_params, n_active = param_counts(model, cfg.model)  # active per token (MoE: top-k experts): the FLOPs behind MFU
     boot["model"] = time.time()
     dtype = resolve_dtype(cfg, cuda, cuda and torch.cuda.is_bf16_supported())
     ds_config = build_ds_config(cfg, world, dtype, cuda)
@@ -135,8 +133,9 @@ def train_loop_per_worker(loop_config: dict) -> None:
     # The checkpoint this attempt resumed from is never pruned while it runs.
     writer = ckpt.CheckpointWriter(cfg.checkpoint, cfg.run_uri, rank, world,
                                    protect=(f"{cfg.run_uri}/{ckpt.dir_name(state.step)}",) if resumed else ())
-    interval = CheckpointInterval(cfg.checkpoint.every_n_steps, cfg.checkpoint.mtbf_s,
-                                  cfg.checkpoint.auto_initial_cost_s, *run_history(cfg.run_uri))
+    # Only rank 0's clock decides an auto interval, so only it reads the run's history.
+    interval = CheckpointInterval(cfg.checkpoint.every_n_steps, cfg.checkpoint.mtbf_s, cfg.checkpoint.auto_initial_cost_s,
+                                  *(run_history(cfg.run_uri) if rank == 0 and cfg.checkpoint.every_n_steps == "auto" else ()))
     interval.seed([r["ckpt_stall_s"] for r in log.history if isinstance(r.get("ckpt_stall_s"), (int, float))])
     notice = PreemptionNotice(rank, world, cfg.checkpoint.preemption_check_s, cfg.checkpoint.on_preemption,
                               carry_checkpoint=interval.auto)
