@@ -113,6 +113,8 @@ def ray_cluster(s3_server):
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ["RAY_TRAIN_ENABLE_PRINT_PATCH"] = "0"
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=True)
+    # Worker logs stay in Ray's session directory instead of being echoed here: echoed lines arrive at any
+    # moment, even during a later test, and would mix into the CLI output those tests capture and parse.
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
