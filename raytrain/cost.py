@@ -158,6 +158,29 @@ class Prices:
         return self.spot_per_hour if rec["market"] == "spot" else self.on_demand_per_hour
 
 
+def _beat_s(beat: dict) -> float:
+    return float(beat.get("every_s", 2.0))
+
+
+def _lost_steps(resumed: int, lost_s: float, t_fail: float, beat: Optional[dict], prev: dict,
+                step_s: Optional[float]) -> dict:
+    """Steps trained past the resumed checkpoint and thrown away.
+
+    From the failed attempt's heartbeat when it left one: the step it reached, plus the steps it could
+    have done between its last beat and the failure, unless it had not moved for a whole beat and three
+    steps' time (stuck, or waiting on a dead peer: the time it lost was not spent on steps). Else lost time at the median step rate, which overstates
+    steps when the attempt was slow or stuck before it failed.
+    """
+    if beat and beat.get("time", 0) >= prev["time"]:
+        stuck = beat["time"] - beat.get("step_time", beat["time"]) > max(_beat_s(beat), 3 * (step_s or 0))
+        unseen = 0.0 if (stuck or not step_s) else max(0.0, t_fail - beat["time"]) / step_s
+        seen = max(0, beat["step"] - resumed)
+        # Never more than the lost time allows at the run's pace (a beat of a fast run spans many steps).
+        cap = max(seen, round(lost_s / step_s)) if step_s else seen
+        return {"lost_steps": min(seen + round(unseen), cap), "lost_steps_from": "heartbeat"}
+    return {"lost_steps": round(lost_s / step_s) if step_s else None, "lost_steps_from": "time"}
+
+
 def report(run_uri: str, prices: Prices, mtbf_s: Optional[float] = None) -> dict[str, Any]:
     """Everything `raytrain cost` prints, as numbers."""
     if not storage.exists(run_uri):
@@ -201,11 +224,16 @@ def report(run_uri: str, prices: Prices, mtbf_s: Optional[float] = None) -> dict
         lost_in_between = [n["lost_at"] for n in lost_nodes if prev.get("first_step_time", prev["time"]) <= n["lost_at"] <= cur["time"]]
         if lost_in_between:
             t_fail = min(lost_in_between)
+        beat = cur.get("previous_progress")
+        if beat and beat.get("time", 0) >= prev["time"]:
+            # The failed attempt's own heartbeat: it failed within one beat of the last one it wrote
+            # (or earlier, when a node loss stopped another rank while rank 0 kept beating).
+            t_fail = min(t_fail, beat["time"] + _beat_s(beat))
         t_ckpt = _committed_time(run_uri, cur["resumed_step"]) if cur["resumed_step"] else None
         t_from = max(t for t in (t_ckpt, prev.get("first_step_time"), prev["time"]) if t is not None)
         lost_s = max(0.0, t_fail - t_from)
         restarts.append({"resumed_step": cur["resumed_step"], "lost_s": round(lost_s, 1),
-                         "lost_steps": round(lost_s / step_s) if step_s else None,
+                         **_lost_steps(cur["resumed_step"], lost_s, t_fail, beat, prev, step_s),
                          "recovery_s": round(cur.get("first_step_time", cur["time"]) - t_fail, 1)})
 
     ckpt_costs = [r["ckpt_stall_s"] for r in metrics if isinstance(r.get("ckpt_stall_s"), (int, float))]
@@ -246,8 +274,9 @@ def format_report(r: dict) -> str:
               f"  preemptions {r['preemptions']} (worker nodes lost {r['nodes_lost']}, restarts {len(r['restarts'])}); "
               f"lost steps {r['lost_steps']}"]
     for i, x in enumerate(r["restarts"], 1):
+        how = "from its heartbeat" if x.get("lost_steps_from") == "heartbeat" else "estimated from the median step rate"
         lines.append(f"    restart {i}: resumed at step {x['resumed_step']}, lost {x['lost_s']}s of work "
-                     f"(~{x['lost_steps']} steps), back training {x['recovery_s']}s after the failure")
+                     f"({x['lost_steps']} steps, {how}), back training {x['recovery_s']}s after the failure")
     ck = r["checkpoint_cost_s"]
     lines.append(f"  checkpoints {r['checkpoints']}, training paused {r['checkpoint_time_s']:.1f}s in total"
                  + (f" ({ck:.2f}s each)" if ck else ""))

@@ -64,7 +64,8 @@ def test_cost_report_numbers(run_dir, capsys):
     assert r["preemptions"] == 1 and r["nodes_lost"] == 1
     assert r["step_s"] == pytest.approx(1.0)
     # Lost work: from the checkpoint's commit (T0+3010) to the node loss (T0+3605) = 595 s = 595 steps.
-    assert r["restarts"] == [{"resumed_step": 3000, "lost_s": 595.0, "lost_steps": 595, "recovery_s": 95.0}]
+    assert r["restarts"] == [{"resumed_step": 3000, "lost_s": 595.0, "lost_steps": 595, "lost_steps_from": "time",
+                              "recovery_s": 95.0}]
     assert r["lost_steps"] == 595
     assert r["checkpoints"] == 6 and r["checkpoint_cost_s"] == pytest.approx(2.0)
     # Young-Daly with the observed MTBF: 7200 s of run / 1 interruption.
@@ -79,6 +80,51 @@ def test_cost_text_and_overrides(run_dir, capsys):
     assert "spot" in out and "preemptions 1" in out and "lost steps 595" in out
     assert f"= {young_daly_s(2.0, 1800):.0f}s" in out and "(given)" in out
     assert "spot 0.25" in out  # the override replaced the run's own price
+
+
+def _with_heartbeat(run_dir, beat: dict) -> None:
+    lines = [json.loads(x) for x in (run_dir / "attempts.jsonl").read_text().splitlines()]
+    lines[1]["previous_progress"] = beat
+    (run_dir / "attempts.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+
+
+def test_lost_steps_from_the_failed_attempts_heartbeat(run_dir, capsys):
+    # Training normally: step 3590 done at T0+h+2, beat at T0+h+3, node gone at T0+h+5 (seen by the
+    # recorder). The failure was after the beat and at most one beat (2 s) later: 2 more steps at 1 step/s.
+    h = 3600.0
+    _with_heartbeat(run_dir, {"attempt": 0, "step": 3590, "step_time": T0 + h + 2, "time": T0 + h + 3})
+    assert main(["cost", str(run_dir), "--json"]) == 0
+    (r,) = json.loads(capsys.readouterr().out)["restarts"]
+    assert r["lost_steps"] == 590 + 2 and r["lost_steps_from"] == "heartbeat" and r["lost_s"] == 595.0
+
+    # Stuck since step 3012 (its last step 500 s before the beat): the time lost is not 500 steps of work.
+    _with_heartbeat(run_dir, {"attempt": 0, "step": 3012, "step_time": T0 + h - 498, "time": T0 + h + 2})
+    assert main(["cost", str(run_dir), "--json"]) == 0
+    (r,) = json.loads(capsys.readouterr().out)["restarts"]
+    assert r["lost_steps"] == 12 and r["lost_s"] == 594.0  # failed within a beat (2 s) of its last one
+
+    # A beat older than the failed attempt (it died before its first beat) is not taken for its progress.
+    _with_heartbeat(run_dir, {"attempt": 0, "step": 3500, "step_time": T0 - 100, "time": T0 - 99})
+    assert main(["cost", str(run_dir)]) == 0
+    assert "lost 595.0s of work (595 steps, estimated from the median step rate)" in capsys.readouterr().out
+
+
+def test_heartbeat_is_read_back_by_the_next_attempt(tmp_path):
+    from raytrain.worker.runlog import Heartbeat
+
+    run = str(tmp_path / "run")
+    first = Heartbeat(run, enabled=True, interval_s=0.05).start(attempt=0, step=10)
+    assert first.previous is None
+    first.beat(11)
+    first.beat(12)
+    time.sleep(0.3)  # no close(): a killed attempt leaves only what its thread wrote
+    nxt = Heartbeat(run, enabled=True)
+    assert nxt.previous["step"] == 12 and nxt.previous["attempt"] == 0
+    assert nxt.previous["time"] >= nxt.previous["step_time"]
+    first.close()
+    (tmp_path / "run" / "progress.json").write_text('{"step": 1')  # torn by a crash
+    assert Heartbeat(run, enabled=True).previous is None
+    assert Heartbeat(run, enabled=False).previous is None
 
 
 def test_young_daly_formula():

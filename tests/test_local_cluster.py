@@ -149,4 +149,8 @@ def test_spot_job_scales_from_zero_survives_a_reclaim_and_finishes(fake_cluster,
     assert cost["by_market"]["spot"]["nodes"] >= 3 and cost["by_market"]["spot"]["node_hours"] > 0
     assert cost["preemptions"] >= 1 and cost["nodes_lost"] >= 1
     assert cost["young_daly_s"] and cost["young_daly_s"] > 0
+    # Steps thrown away, from the failed attempt's heartbeat: it was reclaimed after checkpoint 10 while
+    # waiting at step 12, so about 2 steps; not its stalled seconds turned into steps at the run's pace.
+    assert cost["restarts"] and all(r["lost_steps_from"] == "heartbeat" and r["lost_steps"] <= 12
+                                    for r in cost["restarts"]), cost["restarts"]
     print("[test] raytrain cost:", json.dumps({k: cost[k] for k in ("preemptions", "lost_steps", "young_daly_s")}))

@@ -10,7 +10,7 @@ import json
 import pyarrow.fs as pafs
 import pytest
 
-from raytrain import storage
+from raytrain import cost, storage
 from raytrain.data.prepare import PrepareConfig, prepare
 from raytrain.errors import UserError
 from raytrain.trainer import train
@@ -74,6 +74,10 @@ def test_crashed_worker_resumes_with_identical_losses(ray_cluster, tiny_data, tm
     assert sorted(got) == list(range(1, 13))
     for step in range(1, 13):
         assert got[step] == pytest.approx(want[step], abs=1e-5), step
+    # The work thrown away, from the failed attempt's heartbeat: at most steps 5 and 6 (resumed at 4).
+    (restart,) = cost.report(cfg.run_uri, cost.Prices(1.0, 1.0, 1.0))["restarts"]
+    assert restart["resumed_step"] == 4 and restart["lost_steps_from"] == "heartbeat"
+    assert 0 <= restart["lost_steps"] <= 2, restart
 
 
 def test_resubmitted_run_resumes_from_s3(ray_cluster, s3_server, corpus_dir, tmp_path, baseline):

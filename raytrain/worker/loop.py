@@ -26,7 +26,7 @@ from raytrain.worker.comm import FAILURE_FILE as COMM_FAILURE_FILE, CommWatch
 from raytrain.worker.evaluate import Evaluator, lm_loss
 from raytrain.worker.interval import CheckpointInterval, run_history
 from raytrain.worker.preemption import PreemptionNotice
-from raytrain.worker.runlog import SUMMARY, RunLog, record_attempt, say
+from raytrain.worker.runlog import SUMMARY, Heartbeat, RunLog, record_attempt, say
 from raytrain.worker.telemetry import Telemetry, nan_hook, oom_guard, rollback
 
 
@@ -162,8 +162,10 @@ def train_loop_per_worker(loop_config: dict) -> None:
     last_ckpt = ckpt.dir_name(state.step) if resumed else None
     crash_at = _crash_hook(loop_config.get("inject") or {}, rank)
     # Where this attempt started and when its first step was done: recovery time, steps lost, cost.
+    beat = Heartbeat(cfg.run_uri, enabled=rank == 0).start(state.restarts, state.step)
     attempt = {"attempt": state.restarts, "resumed_step": state.step, "time": round(t_start, 3),
-               "world_size": world} if rank == 0 else None
+               "world_size": world, **({"previous_progress": beat.previous} if beat.previous else {})} \
+        if rank == 0 else None
     poison = nan_hook(loop_config.get("inject") or {}, rank, gb)
     window_t, window_steps, data_wait = time.perf_counter(), 0, 0.0
     boot["setup"] = time.time()
@@ -192,6 +194,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
                 loss_sum += loss.detach().float()
                 aux_sum += aux.detach().float() if aux is not None else 0.0
         state.step += 1
+        beat.beat(state.step)
         crash_at(state.step)
         # Every step, one scalar all-reduce: all ranks judge the same loss, so all take the same action.
         with comm("the all-reduce of the step loss"):
@@ -270,6 +273,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
             ray.train.report(rec)
 
     writer.wait()  # the final upload and commit
+    beat.close()
     last_ckpt = writer.committed or last_ckpt
     if rank == 0:
         _write_summary(cfg, log, state, last_ckpt, n_params, extra=tel.summary())
