@@ -226,7 +226,7 @@ def _cmd_cost(args) -> int:
     cfg = validate(apply_overrides(tree, overrides))
     c = cfg.cost
     r = report(run_uri, Prices(c.spot_per_hour, c.on_demand_per_hour, c.head_per_hour),
-               mtbf_s=args.mtbf_hours * 3600 if args.mtbf_hours else None)
+               mtbf_s=args.mtbf_hours * 3600 if args.mtbf_hours else None, prior_mtbf_s=cfg.checkpoint.mtbf_s)
     print(json.dumps(r, indent=1) if args.json else format_report(r))
     return 0
 

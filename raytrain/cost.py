@@ -181,8 +181,10 @@ def _lost_steps(resumed: int, lost_s: float, t_fail: float, beat: Optional[dict]
     return {"lost_steps": round(lost_s / step_s) if step_s else None, "lost_steps_from": "time"}
 
 
-def report(run_uri: str, prices: Prices, mtbf_s: Optional[float] = None) -> dict[str, Any]:
-    """Everything `raytrain cost` prints, as numbers."""
+def report(run_uri: str, prices: Prices, mtbf_s: Optional[float] = None,
+           prior_mtbf_s: Optional[float] = None) -> dict[str, Any]:
+    """Everything `raytrain cost` prints, as numbers. MTBF: `mtbf_s` if given, else the one observed,
+    else `prior_mtbf_s` (the run's `checkpoint.mtbf_s`, what an auto interval starts from)."""
     if not storage.exists(run_uri):
         raise UserError(f"run directory not found: {run_uri}")
     summary_uri = storage.join(run_uri, "summary.json")
@@ -242,7 +244,7 @@ def report(run_uri: str, prices: Prices, mtbf_s: Optional[float] = None) -> dict
     run_s = (max((n.get("last_seen", 0) for n in nodes), default=0) - min((n["first_seen"] for n in nodes), default=0)) \
         if nodes else (summary.get("wall_s") or 0)
     observed_mtbf = run_s / preemptions if preemptions else None
-    mtbf = mtbf_s or observed_mtbf
+    mtbf = mtbf_s or observed_mtbf or prior_mtbf_s
     yd_s = young_daly_s(ckpt_cost_s, mtbf) if (ckpt_cost_s and mtbf) else None
     return {
         "run_uri": run_uri, "steps": steps, "by_market": by_market, "cost": spent, "on_demand_cost": on_demand,
@@ -250,7 +252,7 @@ def report(run_uri: str, prices: Prices, mtbf_s: Optional[float] = None) -> dict
         "restarts": restarts, "lost_steps": sum(r["lost_steps"] or 0 for r in restarts),
         "checkpoints": len(ckpt_costs), "checkpoint_cost_s": ckpt_cost_s,
         "checkpoint_time_s": sum(ckpt_costs), "step_s": step_s, "mtbf_s": mtbf,
-        "mtbf_source": "given" if mtbf_s else ("observed" if observed_mtbf else None),
+        "mtbf_source": "given" if mtbf_s else "observed" if observed_mtbf else "checkpoint.mtbf_s" if prior_mtbf_s else None,
         "young_daly_s": yd_s, "young_daly_steps": max(1, round(yd_s / step_s)) if (yd_s and step_s) else None,
         "prices": prices.__dict__,
     }
@@ -284,6 +286,9 @@ def format_report(r: dict) -> str:
         lines.append(f"  Young-Daly checkpoint interval: sqrt(2 x {ck:.2f}s x MTBF {r['mtbf_s']:.0f}s ({r['mtbf_source']})) "
                      f"= {r['young_daly_s']:.0f}s" + (f" = checkpoint.every_n_steps={r['young_daly_steps']} "
                                                        f"at {r['step_s']:.2f}s/step" if r["young_daly_steps"] else ""))
+        if r["mtbf_source"] == "checkpoint.mtbf_s":
+            lines.append("    (no interruption observed: the MTBF is the run's checkpoint.mtbf_s; pass --mtbf-hours "
+                         "for your provider's interruption rate)")
         lines.append("    (checkpoint.every_n_steps=auto recomputes this during the run from its own measurements)")
     else:
         why = "no checkpoint cost measured" if not ck else "no interruption observed (pass --mtbf-hours)"

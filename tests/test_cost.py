@@ -127,6 +127,21 @@ def test_heartbeat_is_read_back_by_the_next_attempt(tmp_path):
     assert Heartbeat(run, enabled=False).previous is None
 
 
+def test_uninterrupted_run_uses_its_configured_mtbf(run_dir, capsys):
+    (run_dir / "nodes.json").write_text(json.dumps({"nodes": [
+        {"node_id": "a", "type": "spot", "market": "spot", "first_seen": T0, "last_seen": T0 + 3600, "lost": False}]}))
+    first = (run_dir / "attempts.jsonl").read_text().splitlines()[0]
+    (run_dir / "attempts.jsonl").write_text(first + "\n")
+    assert main(["cost", str(run_dir), "checkpoint.mtbf_s=1800", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["preemptions"] == 0 and r["restarts"] == [] and r["lost_steps"] == 0
+    assert r["mtbf_s"] == 1800 and r["mtbf_source"] == "checkpoint.mtbf_s"
+    assert r["young_daly_s"] == pytest.approx(young_daly_s(2.0, 1800))
+    assert main(["cost", str(run_dir)]) == 0  # the saved config's 7200 s
+    out = capsys.readouterr().out
+    assert f"= {young_daly_s(2.0, 7200):.0f}s" in out and "no interruption observed" in out
+
+
 def test_young_daly_formula():
     assert young_daly_s(30.0, 3600.0) == pytest.approx(math.sqrt(2 * 30 * 3600)) == pytest.approx(464.76, abs=0.01)
 
