@@ -40,6 +40,30 @@ def test_young_daly_and_the_failure_rate_estimate(monkeypatch):
     assert [s for s in range(1, 16) if fixed.due(s)] == [5, 10, 15] and "every 5 steps" in fixed.describe()
 
 
+def test_agreement_flags_are_reduced_where_the_backend_can(monkeypatch):
+    """NCCL reduces device tensors only: the per-step flags go to the training device (a CPU tensor
+    raised "No backend type associated with device type cpu" on every multi-GPU step)."""
+    import torch
+    import torch.distributed as dist
+
+    from raytrain.worker.preemption import PreemptionNotice
+
+    seen = []
+
+    def all_reduce(t, op=None):
+        seen.append(t.device)
+        t[2] = 1  # another rank asked for a checkpoint
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    notice = PreemptionNotice(0, 2, 60.0, enabled=False, carry_checkpoint=True, device=torch.device("meta"))
+    with pytest.raises(NotImplementedError):  # a meta tensor has no values to read back; its device is the point
+        notice.poll(1)
+    assert seen == [torch.device("meta")]
+    seen.clear()
+    notice = PreemptionNotice(0, 2, 60.0, enabled=False, carry_checkpoint=True)
+    assert notice.poll(1) is None and notice.checkpoint_agreed and seen == [torch.device("cpu")]
+
+
 def test_run_history_counts_earlier_attempts_and_ignores_a_torn_line(tmp_path):
     assert run_history(str(tmp_path)) == (None, 0)
     (tmp_path / "attempts.jsonl").write_text('{"attempt": 0, "time": 100.5}\n{"attempt": 1, "time": 160.0}\n{"attem')

@@ -138,7 +138,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
                                   *(run_history(cfg.run_uri) if rank == 0 and cfg.checkpoint.every_n_steps == "auto" else ()))
     interval.seed([r["ckpt_stall_s"] for r in log.history if isinstance(r.get("ckpt_stall_s"), (int, float))])
     notice = PreemptionNotice(rank, world, cfg.checkpoint.preemption_check_s, cfg.checkpoint.on_preemption,
-                              carry_checkpoint=interval.auto)
+                              carry_checkpoint=interval.auto, device=device)
     config_yaml = cfg.to_yaml()
     mb, acc, gb, seq = cfg.batch.micro_batch_size, cfg.accumulation, cfg.global_batch, cfg.model.seq_len
     fpt = flops_per_token(n_active, cfg.model)

@@ -22,8 +22,10 @@ from raytrain.worker.runlog import say
 
 
 class PreemptionNotice:
-    def __init__(self, rank: int, world: int, check_s: float, enabled: bool = True, carry_checkpoint: bool = False):
+    def __init__(self, rank: int, world: int, check_s: float, enabled: bool = True, carry_checkpoint: bool = False,
+                 device: torch.device | str = "cpu"):
         self.rank, self.world, self.check_s, self.enabled = rank, world, check_s, enabled
+        self.device = torch.device(device)  # where the flags are reduced: NCCL reduces device tensors only
         # checkpoint.every_n_steps=auto: rank 0's "checkpoint now" rides on the same all-reduce.
         self.carry_checkpoint = carry_checkpoint
         self.checkpoint_agreed = False
@@ -61,6 +63,7 @@ class PreemptionNotice:
         sig = self.enabled and self.sigterm.is_set()
         flag = torch.tensor([int(sig), int(due), int(want_checkpoint)], dtype=torch.int32)
         if self.world > 1:
+            flag = flag.to(self.device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         sigterm, due, self.checkpoint_agreed = flag.tolist()
         if sigterm and not self._sigterm_seen:
