@@ -158,6 +158,15 @@ class ScalingSection(_Section):
     collective_timeout_s: int = Field(1800, ge=1, description="a collective (gradient all-reduce, barrier) waiting longer than this fails with a diagnosis naming the rank and the collective instead of hanging; a warning is logged at half of it")
     address: Optional[str] = Field(None, description="Ray cluster address; null: RAY_ADDRESS if set, else a new local Ray instance")
 
+    @model_validator(mode="after")
+    def _one_gpu_per_worker(self) -> "ScalingSection":
+        # DeepSpeed puts each rank on cuda:LOCAL_RANK, which is only the GPU Ray gave it when every worker
+        # has exactly one; NCCL also refuses two ranks on one GPU.
+        if self.use_gpu and self.gpus_per_worker != 1:
+            raise ValueError(f"scaling.gpus_per_worker={self.gpus_per_worker:g}: DeepSpeed runs one process per GPU; "
+                             "set it to 1 and scale with scaling.num_workers (or deepspeed.tensor_parallel_size)")
+        return self
+
 
 class CheckpointSection(_Section):
     """Where the run lives (`<storage>/<run.name>/`) and how often its state is saved."""

@@ -242,7 +242,9 @@ def train(cfg: Config, log: Callable[[str], None] = print, reader: str = "ray", 
             trainer.fit()
     except Exception as e:  # noqa: BLE001 - Ray wraps worker errors; surface ours as one line
         msg = _root_user_error(e)
-        if msg and "CommunicationError: " in str(e) and storage.exists(comm_file):
+        # Ours in full (Ray truncates a worker's error text); or, on NCCL, the watchdog killed the worker
+        # before Python could raise, and the diagnosis filed just before is all there is.
+        if (msg is None or "CommunicationError: " in str(e)) and storage.exists(comm_file):
             msg = storage.read_text(comm_file).strip()  # whole: Ray truncates a worker's error text
         if msg:
             raise UserError(msg) from None

@@ -35,6 +35,7 @@ def test_recipe_by_path(tmp_path):
     (["batch.global_batch_size=17"], "batch.global_batch_size"),
     (["deepspeed.zero_stage=4"], "deepspeed.zero_stage"),
     (["deepspeed.offload_param=cpu"], "zero_stage=3"),
+    (["scaling.use_gpu=true", "scaling.gpus_per_worker=2"], "scaling.gpus_per_worker=2"),
 ])
 def test_bad_config_names_the_key(overrides, needle):
     with pytest.raises(UserError) as e:

@@ -203,6 +203,36 @@ def test_comm_watch_names_rank_collective_and_settings_and_warns_when_slow():
     watch.close()
 
 
+def test_comm_watch_files_the_diagnosis_before_nccls_watchdog_and_withdraws_it_if_the_wait_ends():
+    import time
+
+    from raytrain.worker.comm import CommWatch
+
+    filed = []
+    watch = CommWatch(0, 2, "nccl", timeout_s=0.5, log=lambda _: None, poll_s=0.02,
+                      report=filed.append, retract=lambda: filed.append(None))
+    watch.step = 4
+    with watch("the all-reduce of the step loss"):
+        # Filed at 0.4 s; the watchdog would end the process at 0.5 s, so no Python error would ever come.
+        # (Waits longer only if this machine is too busy to run the watcher on time.)
+        deadline = time.monotonic() + 10
+        while not filed and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert filed and filed[0].startswith("communication failure on rank 0 of 2 at step 4, in the all-reduce "
+                                             "of the step loss: no answer after")
+        assert "backend nccl" in filed[0] and "TORCH_NCCL_ASYNC_ERROR_HANDLING=" in filed[0]
+    assert filed[-1] is None  # it completed after all: the diagnosis is withdrawn
+    with watch("the all-reduce of the step loss"):
+        pass
+    assert len(filed) == 2  # a quick collective files nothing
+    watch.close()
+    gloo = CommWatch(0, 2, "gloo", timeout_s=0.5, log=lambda _: None, poll_s=0.02, report=filed.append)
+    with gloo("x"):
+        time.sleep(0.45)  # gloo raises at the timeout, and that error is the report
+    assert len(filed) == 2
+    gloo.close()
+
+
 @pytest.mark.slow
 def test_a_stalled_rank_gives_a_named_communication_timeout_not_a_hang(ray_cluster, tiny_data, tmp_path):
     from raytrain.errors import UserError

@@ -104,3 +104,33 @@ def test_report_writes_png_and_markdown(tmp_path, capsys):
 def test_report_errors_are_one_line(tmp_path, capsys):
     assert main(["report", str(tmp_path / "missing")]) == 2
     assert "no metrics.jsonl in" in capsys.readouterr().err
+
+
+def test_gpu_phase_timer_syncs_only_on_sampled_steps(monkeypatch):
+    """On GPU each timed phase ends in a device sync; only the sampled (log) steps pay for it, and device
+    phases average over those, while host-timed phases average over every step of the window."""
+    import time
+
+    import torch
+
+    from raytrain.worker.telemetry import PhaseTimer
+
+    syncs = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: syncs.append(1))
+    timer = PhaseTimer(cuda=True)
+    for step in range(1, 5):
+        timer.step(sample=step == 4)
+        timer.add("data_wait", 0.1)
+        with timer("forward_backward"):
+            time.sleep(0.05 if step == 4 else 0.0)
+        with timer("optimizer"):
+            pass
+    assert len(syncs) == 2  # the sampled step's two phases, not eight
+    out = timer.take(4)
+    assert out["phase_data_wait_s"] == pytest.approx(0.1)
+    assert 0.05 <= out["phase_forward_backward_s"] < 0.5  # the one sampled step, not diluted by four
+    cpu = PhaseTimer(cuda=False)
+    cpu.step(sample=False)  # on CPU timing costs nothing: every step counts
+    with cpu("optimizer"):
+        time.sleep(0.02)
+    assert cpu.take(1)["phase_optimizer_s"] >= 0.02

@@ -51,7 +51,9 @@ def dir_name(step: int) -> str:
 
 def _rng_state() -> dict:
     return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+            # This worker's own device only: the GPUs a process sees differ from node to node and after a
+            # resize, so a per-visible-GPU list would not fit (or would seed the wrong device) on resume.
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
 
 
 def _set_rng_state(s: dict) -> None:
@@ -59,7 +61,8 @@ def _set_rng_state(s: dict) -> None:
     np.random.set_state(s["numpy"])
     torch.set_rng_state(s["torch"])
     if s.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(s["cuda"])
+        cuda = s["cuda"]
+        torch.cuda.set_rng_state(cuda if torch.is_tensor(cuda) else cuda[0])  # [0]: a list from older checkpoints
 
 
 class CheckpointWriter:

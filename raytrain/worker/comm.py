@@ -4,7 +4,9 @@ A collective that never completes (a dead or stalled peer, a wrong network inter
 silent hang of distributed training. The process group is created with `scaling.collective_timeout_s`
 so the backend gives up; this module names what was waiting: the rank, the collective, how long, and
 the settings that matter (PRODUCT.md). A watcher thread also logs, once, a collective that has taken
-more than half the timeout - on NCCL the watchdog may kill the process before Python sees an error.
+more than half the timeout. On NCCL the watchdog kills the process at the timeout (Ray sets
+TORCH_NCCL_ASYNC_ERROR_HANDLING=1) before Python sees an error, so there the watcher also files the
+diagnosis just before the timeout, and withdraws it if the collective completes after all.
 """
 
 from __future__ import annotations
@@ -52,9 +54,15 @@ def settings(backend: str, timeout_s: float) -> str:
 class CommWatch:
     def __init__(self, rank: int, world: int, backend: str, timeout_s: float, warn_frac: float = 0.5,
                  count: Callable[[str], None] = lambda rule: None, log: Callable[[str], None] = say,
-                 poll_s: float = 1.0, report: Optional[Callable[[str], None]] = None):
+                 poll_s: float = 1.0, report: Optional[Callable[[str], None]] = None,
+                 retract: Callable[[], None] = lambda: None, file_before_s: Optional[float] = None):
         self.rank, self.world, self.backend, self.timeout_s = rank, world, backend, timeout_s
         self.report = report  # where the driver finds the whole diagnosis (Ray truncates worker errors)
+        self.retract = retract
+        # NCCL: file the diagnosis this long into a wait (a few polls before the watchdog's timeout).
+        self.file_before_s = file_before_s if file_before_s is not None else (
+            max(0.5 * timeout_s, timeout_s - 5 * poll_s) if backend == "nccl" else None)
+        self._filed: Optional[tuple[str, int]] = None
         self.warn_after_s, self.count, self.log, self.poll_s = timeout_s * warn_frac, count, log, poll_s
         self._current: Optional[tuple[str, int, float]] = None  # (collective, step, entered)
         self._warned: set[tuple[str, int]] = set()
@@ -69,7 +77,7 @@ class CommWatch:
         if self.world == 1:
             yield
             return
-        entered = time.monotonic()
+        entered, key = time.monotonic(), (what, self.step)
         self._current = (what, self.step, entered)
         try:
             yield
@@ -84,12 +92,13 @@ class CommWatch:
                    f"{_first_line(e)}. A peer rank stopped answering or died: {ADVICE}")
             self.log(msg)
             if self.report:
-                try:
-                    self.report(msg)
-                except Exception:  # noqa: BLE001 - the storage may be what failed; the log line stands
-                    pass
+                _quietly(lambda: self.report(msg))
             # Not chained: Ray shows the end of a worker traceback, and this line must be in it.
             raise CommunicationError(msg) from None
+        else:
+            if self._filed == key:  # it completed after all: no failure to report
+                self._filed = None
+                _quietly(self.retract)
         finally:
             self._current = None
 
@@ -105,9 +114,23 @@ class CommWatch:
                 self.count("comm_slow")
                 self.log(f"health: rank {self.rank} has waited {waited:.0f}s in {what} at step {step} "
                          f"(timeout {self.timeout_s:g}s): a peer rank may be stalled or gone. Advice: {ADVICE}")
+            if (self.file_before_s is not None and self.report and waited >= self.file_before_s
+                    and self._filed != (what, step)):
+                self._filed = (what, step)
+                _quietly(lambda: self.report(
+                    f"communication failure on rank {self.rank} of {self.world} at step {step}, in {what}: no answer "
+                    f"after {waited:.1f}s, and NCCL's watchdog ends the process at the timeout "
+                    f"({settings(self.backend, self.timeout_s)}). A peer rank stopped answering or died: {ADVICE}"))
 
     def close(self) -> None:
         self._stop.set()
+
+
+def _quietly(fn: Callable[[], None]) -> None:
+    try:
+        fn()
+    except Exception:  # noqa: BLE001 - the storage may be what failed; the log line stands
+        pass
 
 
 def _first_line(e: BaseException) -> str:

@@ -20,6 +20,7 @@ from raytrain.config import Config
 from raytrain.data.manifest import Split
 from raytrain.data.stream import SampleStream
 from raytrain.ds_config import build_ds_config, lr_lambda, resolve_dtype
+from raytrain.errors import UserError
 from raytrain.model import build_model, compile_engine, flops_per_token, moe_aux_loss, param_counts
 from raytrain.worker import checkpoint as ckpt
 from raytrain.worker.comm import FAILURE_FILE as COMM_FAILURE_FILE, CommWatch
@@ -80,6 +81,11 @@ def train_loop_per_worker(loop_config: dict) -> None:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     cuda = cfg.scaling.use_gpu and torch.cuda.is_available()
+    if cfg.scaling.use_gpu and not cuda:
+        # The process group is NCCL already; a CPU fallback would fail later with a cryptic NCCL error.
+        raise UserError(f"scaling.use_gpu=true but this worker's torch {torch.__version__} sees no CUDA device "
+                        f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): install a CUDA "
+                        "build of torch on the GPU nodes, or set scaling.use_gpu=false")
     device = ray.train.torch.get_device() if cuda else torch.device("cpu")
     torch.set_num_threads(max(1, int(cfg.scaling.cpus_per_worker)))
     # Same seed on every rank: identical initial weights; data differs by slice, not by RNG.
@@ -99,7 +105,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
     model = build_model(cfg.model, vocab, cfg.run.seed, train_split.eot_id)
     n_params, n_active = param_counts(model, cfg.model)  # active per token (MoE: top-k experts): the FLOPs behind MFU
     boot["model"] = time.time()
-    dtype = resolve_dtype(cfg, cuda, cuda and torch.cuda.is_bf16_supported())
+    # Native bf16 only: torch also says yes for pre-Ampere GPUs that emulate it (slowly); those get fp16.
+    dtype = resolve_dtype(cfg, cuda, cuda and torch.cuda.is_bf16_supported(including_emulation=False))
     ds_config = build_ds_config(cfg, world, dtype, cuda)
     if resharding:
         ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": True}
@@ -144,9 +151,13 @@ def train_loop_per_worker(loop_config: dict) -> None:
     fpt = flops_per_token(n_active, cfg.model)
     tel = Telemetry(cfg, rank, world, cuda, fpt, log=say)  # metrics export, phase timers, health rules
     # Names the collective a rank waits in; a timeout becomes a diagnosis, not a hang.
+    comm_file = storage.join(cfg.run_uri, COMM_FAILURE_FILE)
+    if rank == 0:
+        storage.delete_file(comm_file)  # an earlier attempt's diagnosis must not explain this one's end
     comm = CommWatch(rank, world, "nccl" if cuda else "gloo", cfg.scaling.collective_timeout_s,
                      count=lambda rule: tel.metrics.count("raytrain_health_violations_total", rule=rule),
-                     report=lambda msg: storage.write_text(storage.join(cfg.run_uri, COMM_FAILURE_FILE), msg))
+                     report=lambda msg: storage.write_text(comm_file, msg),
+                     retract=lambda: storage.delete_file(comm_file))
     if rank == 0:
         workers = f"{world} workers" if dp_size == world else f"{dp_size} data-parallel x {world // dp_size} tensor-parallel workers"
         say(f"{cfg.model.family} {n_params/1e6:.2f}M params | {workers} x micro_batch {mb} x "
@@ -171,6 +182,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
     boot["setup"] = time.time()
     while state.step < cfg.run.max_steps:
         t0 = time.perf_counter()
+        nxt = state.step + 1
+        tel.timer.step(sample=nxt % cfg.run.log_every == 0 or nxt == cfg.run.max_steps)
         batch = stream.take(gb)  # the whole global batch; this rank trains on its slice of it
         if attempt is not None:
             boot["first_batch"] = time.time()
@@ -242,6 +255,9 @@ def train_loop_per_worker(loop_config: dict) -> None:
                 "tflops_per_worker": fpt * tps / world / 1e12, "data_wait_frac": data_wait / dt,
                 "tokens_seen": state.tokens_seen, "epoch": stream.epoch, "batch_crc32": batch_crc, "data_skipped_shards": len(stream.skipped),
             })
+            if dtype == "fp16":
+                # Loss-scale overflows: DeepSpeed skips the update (and the lr schedule's step) on its own.
+                rec["fp16_skipped_steps"] = engine.skipped_steps
             rec.update(tel.log_step(rec, state, window_steps, dt))
             window_t, window_steps, data_wait = time.perf_counter(), 0, 0.0
         if do_eval:

@@ -58,15 +58,31 @@ def memory(cuda: bool) -> dict:
 
 
 class PhaseTimer:
-    """Seconds per phase since the last log step. On GPU it synchronises at phase ends, so the time of
-    asynchronous kernels is charged to the phase that launched them."""
+    """Seconds per phase since the last log step.
+
+    On GPU, timing a phase means synchronising at its end (so the time of asynchronous kernels is
+    charged to the phase that launched them), and every sync stops the host from queueing work ahead.
+    So on GPU the device phases are timed on sampled steps only (the loop samples its log steps) and
+    averaged over those; host-timed phases (data wait, checkpoint stall) count on every step.
+    """
+
+    DEVICE_PHASES = ("forward_backward", "optimizer")
 
     def __init__(self, cuda: bool):
         self.cuda = cuda
         self.total = dict.fromkeys(PHASES, 0.0)
+        self.sampling, self.sampled = True, 0
+
+    def step(self, sample: bool) -> None:
+        """At the start of each step: whether this one's device phases are timed (always on CPU)."""
+        self.sampling = sample or not self.cuda
+        self.sampled += self.sampling
 
     @contextlib.contextmanager
     def __call__(self, phase: str):
+        if not self.sampling:
+            yield
+            return
         t = time.perf_counter()
         try:
             yield
@@ -79,8 +95,9 @@ class PhaseTimer:
         self.total[phase] += seconds
 
     def take(self, steps: int) -> dict:
-        out = {f"phase_{p}_s": v / max(1, steps) for p, v in self.total.items()}
-        self.total = dict.fromkeys(PHASES, 0.0)
+        out = {f"phase_{p}_s": v / max(1, self.sampled if p in self.DEVICE_PHASES else steps)
+               for p, v in self.total.items()}
+        self.total, self.sampled = dict.fromkeys(PHASES, 0.0), 0
         return out
 
 
