@@ -1,4 +1,4 @@
-"""Command line: `raytrain train | prepare | data | ckpt | plan | export | eval | generate | check | tune | report | config`. Thin: parse, call the component, print one-line errors."""
+"""Command line: `raytrain train | prepare | data | ckpt | plan | export | eval | generate | check | tune | report | cost | config`. Thin: parse, call the component, print one-line errors."""
 
 from __future__ import annotations
 

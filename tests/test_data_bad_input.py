@@ -108,3 +108,20 @@ def test_tokenizer_special_tokens_sample_and_reuse(tmp_path):
         assert (tmp_path / "b" / "tokenizer.json").read_text() == (tmp_path / "a" / "tokenizer.json").read_text()
     with pytest.raises(UserError, match="has no </s> token; set eot_token="):
         prepare(PrepareConfig(out=str(tmp_path / "c"), tokenizer=str(hf_dir), eot_token="</s>", **cfg), **QUIET)
+
+
+def test_jobs_api_ray_address_reads_locally_or_is_explained(tmp_path):
+    """`local_cluster.sh env` exports RAY_ADDRESS=http://... for `ray job submit`; a driver cannot join it.
+    In a fresh process (this one may already hold the session's Ray): auto reads in-process, ray says why not."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom raytrain.data.inputs import use_ray\nfrom raytrain.errors import UserError\n"
+            "print(use_ray('auto'))\ntry:\n    use_ray('ray')\nexcept UserError as e:\n    print(e)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "RAY_ADDRESS": "http://127.0.0.1:8265"})
+    assert r.returncode == 0, r.stderr
+    auto, err = r.stdout.strip().splitlines()
+    assert auto == "False"
+    assert err.startswith("engine=ray, but RAY_ADDRESS=http://127.0.0.1:8265 is the Ray Jobs API address")

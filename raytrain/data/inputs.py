@@ -129,7 +129,15 @@ def _user_error_in(err: BaseException) -> Optional[str]:
 def use_ray(engine: str) -> bool:
     import ray
 
-    if engine == "local" or (engine == "auto" and not ray.is_initialized() and not os.environ.get("RAY_ADDRESS")):
+    address = os.environ.get("RAY_ADDRESS", "")
+    if address.startswith(("http://", "https://")) and not ray.is_initialized():
+        # The Jobs API address (what `ray job submit` uses, and `local_cluster.sh env` exports) is not one
+        # a driver can join: auto reads here in this process; an explicit ray engine needs a real one.
+        if engine == "ray":
+            raise UserError(f"engine=ray, but RAY_ADDRESS={address} is the Ray Jobs API address: submit with "
+                            "`ray job submit -- raytrain prepare ...`, or unset RAY_ADDRESS for a local Ray instance")
+        return False
+    if engine == "local" or (engine == "auto" and not ray.is_initialized() and not address):
         return False
     if not ray.is_initialized():
         # RAY_ADDRESS's cluster when set; otherwise a fresh local instance, never a stray cluster that
