@@ -131,6 +131,11 @@ def check_cluster(cfg: Config, local: bool) -> None:
         print(f"[raytrain] warning: checkpoint.storage={cfg.checkpoint.storage} is a local path on a multi-node "
               "cluster; each node writes its own part there, so use shared storage (s3://... or an NFS mount)",
               flush=True)
+    if cfg.deepspeed.offload_optimizer != "none" and s.use_gpu and s.cpus_per_worker < 4:
+        # The offloaded Adam step runs on the worker's own CPU threads, which are cpus_per_worker.
+        print(f"[raytrain] warning: deepspeed.offload_optimizer={cfg.deepspeed.offload_optimizer} runs the optimizer "
+              f"step on {s.cpus_per_worker:g} CPU thread(s) per worker (scaling.cpus_per_worker); give each GPU "
+              "worker more, e.g. scaling.cpus_per_worker=8, or the step will wait on the CPU", flush=True)
     total = res.get("CPU", 0)
     need = cfg.scaling.num_workers * cfg.scaling.cpus_per_worker + cfg.scaling.data_cpus
     if total < need:

@@ -116,3 +116,16 @@ def test_corrupt_shard_caught_by_checksum(tmp_path, tiny_data):
     with pytest.raises(UserError, match="shard-00000.parquet is corrupt"):
         train(tiny_cfg(broken, tmp_path / "runs", "x", "data.verify=checksum"))
     assert _no_checkpoints(tmp_path)
+
+
+def test_gpu_run_with_cpu_offload_on_one_thread_is_warned(ray_cluster, tiny_data, tmp_path, capsys):
+    from raytrain.trainer import check_cluster
+
+    cfg = tiny_cfg(tiny_data, tmp_path / "runs", "x", "scaling.use_gpu=true", "deepspeed.zero_stage=2",
+                   "deepspeed.offload_optimizer=cpu")
+    check_cluster(cfg, local=False)  # a real cluster: missing GPUs are a warning (its autoscaler may add them)
+    out = capsys.readouterr().out
+    assert "deepspeed.offload_optimizer=cpu runs the optimizer step on 1 CPU thread(s) per worker" in out
+    assert "the run needs 2 GPU" in out
+    check_cluster(tiny_cfg(tiny_data, tmp_path / "runs", "x", "scaling.cpus_per_worker=1"), local=False)
+    assert "offload" not in capsys.readouterr().out
