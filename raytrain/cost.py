@@ -158,26 +158,29 @@ class Prices:
         return self.spot_per_hour if rec["market"] == "spot" else self.on_demand_per_hour
 
 
-def _beat_s(beat: dict) -> float:
-    return float(beat.get("every_s", 2.0))
+def _beat_s(beat: dict) -> tuple[float, float]:
+    """(least time between writes after new steps, time between writes while no step is done)."""
+    every = float(beat.get("every_s", 2.0))
+    return every, float(beat.get("refresh_s", every))
 
 
 def _lost_steps(resumed: int, lost_s: float, t_fail: float, beat: Optional[dict], prev: dict,
                 step_s: Optional[float]) -> dict:
     """Steps trained past the resumed checkpoint and thrown away.
 
-    From the failed attempt's heartbeat when it left one: the step it reached, plus the steps it could
-    have done between its last beat and the failure, unless it had not moved for a whole beat and three
-    steps' time (stuck, or waiting on a dead peer: the time it lost was not spent on steps). Else lost time at the median step rate, which overstates
+    From the failed attempt's heartbeat when it left one: the step it reached, plus the whole steps it
+    could have done unrecorded (a new step is written within `every_s`), unless it had not moved for
+    `every_s` and three steps' time (stuck, or waiting on a dead peer: that time was not spent on steps). Else lost time at the median step rate, which overstates
     steps when the attempt was slow or stuck before it failed.
     """
     if beat and beat.get("time", 0) >= prev["time"]:
-        stuck = beat["time"] - beat.get("step_time", beat["time"]) > max(_beat_s(beat), 3 * (step_s or 0))
-        unseen = 0.0 if (stuck or not step_s) else max(0.0, t_fail - beat["time"]) / step_s
+        every = _beat_s(beat)[0]
+        stuck = beat["time"] - beat.get("step_time", beat["time"]) > max(every, 3 * (step_s or 0))
+        unseen = 0 if (stuck or not step_s) else int(min(max(0.0, t_fail - beat["time"]), every) / step_s)
         seen = max(0, beat["step"] - resumed)
-        # Never more than the lost time allows at the run's pace (a beat of a fast run spans many steps).
+        # Never more than the lost time allows at the run's pace.
         cap = max(seen, round(lost_s / step_s)) if step_s else seen
-        return {"lost_steps": min(seen + round(unseen), cap), "lost_steps_from": "heartbeat"}
+        return {"lost_steps": min(seen + unseen, cap), "lost_steps_from": "heartbeat"}
     return {"lost_steps": round(lost_s / step_s) if step_s else None, "lost_steps_from": "time"}
 
 
@@ -230,7 +233,7 @@ def report(run_uri: str, prices: Prices, mtbf_s: Optional[float] = None,
         if beat and beat.get("time", 0) >= prev["time"]:
             # The failed attempt's own heartbeat: it failed within one beat of the last one it wrote
             # (or earlier, when a node loss stopped another rank while rank 0 kept beating).
-            t_fail = min(t_fail, beat["time"] + _beat_s(beat))
+            t_fail = min(t_fail, beat["time"] + _beat_s(beat)[1])
         t_ckpt = _committed_time(run_uri, cur["resumed_step"]) if cur["resumed_step"] else None
         t_from = max(t for t in (t_ckpt, prev.get("first_step_time"), prev["time"]) if t is not None)
         lost_s = max(0.0, t_fail - t_from)

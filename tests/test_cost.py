@@ -122,6 +122,12 @@ def test_heartbeat_is_read_back_by_the_next_attempt(tmp_path):
     assert nxt.previous["step"] == 12 and nxt.previous["attempt"] == 0
     assert nxt.previous["time"] >= nxt.previous["step_time"]
     first.close()
+    stuck = Heartbeat(run, enabled=True, interval_s=0.01, refresh_s=0.1).start(attempt=1, step=12)
+    stuck.beat(13)
+    time.sleep(0.5)  # no new step: the time alone is refreshed, so the wait shows as a wait
+    beat = json.loads((tmp_path / "run" / "progress.json").read_text())
+    assert beat["step"] == 13 and beat["time"] - beat["step_time"] >= 0.1 and beat["refresh_s"] == 0.1
+    stuck.close()
     (tmp_path / "run" / "progress.json").write_text('{"step": 1')  # torn by a crash
     assert Heartbeat(run, enabled=True).previous is None
     assert Heartbeat(run, enabled=False).previous is None

@@ -23,9 +23,11 @@ METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
 ATTEMPTS = "attempts.jsonl"  # one line per (re)start of the run: where it resumed and how long it took
 PROGRESS = "progress.json"  # rank 0's heartbeat: the step reached, when, and when last seen alive
-# Seconds between beats, and so the uncertainty in where a killed attempt stood: one small object PUT
-# every 2 s on object storage (about $0.2 a day at S3 prices), a local file write otherwise.
-HEARTBEAT_S = {"remote": 2.0, "local": 0.25}
+# The least time between two writes, and so how many steps a killed attempt may have done unrecorded:
+# on object storage one small PUT every 2 s at most (about $0.2 a day at S3 prices); a local file can
+# follow the loop closely. While the loop does not move, the time alone is refreshed every REFRESH_S.
+HEARTBEAT_S = {"remote": 2.0, "local": 0.02}
+REFRESH_S = 1.0
 
 
 def say(msg: str) -> None:
@@ -139,17 +141,21 @@ class RunLog:
 
 
 class Heartbeat:
-    """Rank 0 writes `{step, step_time, time, every_s}` to the run's progress.json every `every_s` seconds.
+    """Rank 0 keeps `{step, step_time, time, every_s, refresh_s}` in the run's progress.json.
 
     After a crash the next attempt reads it (`previous`) to say how far the failed attempt got: its
     metrics.jsonl lines past the resumed checkpoint are dropped, and on object storage they lag anyway
-    (copied at checkpoints). A thread, not the loop, writes it: it keeps beating while the loop is stuck,
-    so a stalled attempt shows as the same step with a fresh `time`, not as steps that never happened.
+    (copied at checkpoints). A thread, not the loop, writes it: after each new step (at most once per
+    `every_s`), and while the loop does not move, every `refresh_s` with a fresh `time` - so a stalled
+    attempt shows as the same step seen alive later, not as steps that never happened.
     """
 
-    def __init__(self, run_uri: str, enabled: bool, interval_s: Optional[float] = None):
+    def __init__(self, run_uri: str, enabled: bool, interval_s: Optional[float] = None,
+                 refresh_s: float = REFRESH_S):
         self.enabled = enabled
         self.interval_s = interval_s or HEARTBEAT_S["remote" if storage.is_remote(run_uri) else "local"]
+        self.refresh_s = max(refresh_s, self.interval_s)
+        self._changed = threading.Condition()
         self.uri = storage.join(run_uri, PROGRESS)
         self.previous: Optional[dict] = None
         self._step: Optional[int] = None
@@ -174,10 +180,14 @@ class Heartbeat:
 
     def beat(self, step: int) -> None:
         """Called by the loop after each step; the thread does the writing."""
-        self._step, self._step_time = step, time.time()
+        with self._changed:
+            self._step, self._step_time = step, time.time()
+            self._changed.notify()
 
     def close(self) -> None:
         self._stop.set()
+        with self._changed:
+            self._changed.notify()
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._write()
@@ -188,14 +198,19 @@ class Heartbeat:
         try:
             storage.write_text(self.uri, json.dumps({"attempt": self._attempt, "step": self._step,
                                                      "step_time": round(self._step_time, 3),
-                                                     "time": round(time.time(), 3), "every_s": self.interval_s}))
+                                                     "time": round(time.time(), 3), "every_s": self.interval_s,
+                                                     "refresh_s": self.refresh_s}))
         except Exception as e:  # storage trouble: the checkpoint path reports it; this is only bookkeeping
             say(f"warning: could not write {self.uri}: {e}")
 
     def _run(self) -> None:
-        self._write()
-        while not self._stop.wait(self.interval_s):
+        while not self._stop.is_set():
+            written = self._step
             self._write()
+            if self._stop.wait(self.interval_s):
+                return
+            with self._changed:
+                self._changed.wait_for(lambda: self._step != written or self._stop.is_set(), timeout=self.refresh_s)
 
 
 def read_summary(run_uri: str) -> Optional[dict]:
