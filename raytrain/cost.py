@@ -170,8 +170,9 @@ def _lost_steps(resumed: int, lost_s: float, t_fail: float, beat: Optional[dict]
 
     From the failed attempt's heartbeat when it left one: the step it reached, plus the whole steps it
     could have done unrecorded (a new step is written within `every_s`), unless it had not moved for
-    `every_s` and three steps' time (stuck, or waiting on a dead peer: that time was not spent on steps). Else lost time at the median step rate, which overstates
-    steps when the attempt was slow or stuck before it failed.
+    `every_s` and three steps' time (stuck, or waiting on a dead peer: that time was not spent on
+    steps). Else lost time at the median step rate, which overstates steps when the attempt was slow or
+    stuck before it failed.
     """
     if beat and beat.get("time", 0) >= prev["time"]:
         every = _beat_s(beat)[0]
@@ -231,8 +232,8 @@ def report(run_uri: str, prices: Prices, mtbf_s: Optional[float] = None,
             t_fail = min(lost_in_between)
         beat = cur.get("previous_progress")
         if beat and beat.get("time", 0) >= prev["time"]:
-            # The failed attempt's own heartbeat: it failed within one beat of the last one it wrote
-            # (or earlier, when a node loss stopped another rank while rank 0 kept beating).
+            # The failed attempt's own heartbeat: it failed before the next write was due (or earlier,
+            # when a node loss stopped another rank while rank 0 kept beating).
             t_fail = min(t_fail, beat["time"] + _beat_s(beat)[1])
         t_ckpt = _committed_time(run_uri, cur["resumed_step"]) if cur["resumed_step"] else None
         t_from = max(t for t in (t_ckpt, prev.get("first_step_time"), prev["time"]) if t is not None)

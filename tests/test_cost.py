@@ -133,6 +133,20 @@ def test_heartbeat_is_read_back_by_the_next_attempt(tmp_path):
     assert Heartbeat(run, enabled=False).previous is None
 
 
+def test_heartbeat_storage_trouble_is_said_once(tmp_path, monkeypatch):
+    from raytrain.worker import runlog
+
+    said = []
+    monkeypatch.setattr(runlog, "say", said.append)
+    (tmp_path / "file").write_text("not a directory")
+    beat = runlog.Heartbeat(str(tmp_path / "file" / "run"), enabled=True, interval_s=0.01).start(attempt=0, step=0)
+    for step in range(1, 20):
+        beat.beat(step)
+        time.sleep(0.01)
+    beat.close()
+    assert len(said) == 1 and "could not write" in said[0] and "said once" in said[0]
+
+
 def test_uninterrupted_run_uses_its_configured_mtbf(run_dir, capsys):
     (run_dir / "nodes.json").write_text(json.dumps({"nodes": [
         {"node_id": "a", "type": "spot", "market": "spot", "first_seen": T0, "last_seen": T0 + 3600, "lost": False}]}))

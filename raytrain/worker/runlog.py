@@ -161,6 +161,7 @@ class Heartbeat:
         self._step: Optional[int] = None
         self._step_time = 0.0
         self._attempt = 0
+        self._warned = False
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         if enabled and storage.exists(self.uri):
@@ -193,15 +194,19 @@ class Heartbeat:
             self._write()
 
     def _write(self) -> None:
-        if self._step is None:
+        with self._changed:
+            step, step_time = self._step, self._step_time
+        if step is None:
             return
         try:
-            storage.write_text(self.uri, json.dumps({"attempt": self._attempt, "step": self._step,
-                                                     "step_time": round(self._step_time, 3),
+            storage.write_text(self.uri, json.dumps({"attempt": self._attempt, "step": step,
+                                                     "step_time": round(step_time, 3),
                                                      "time": round(time.time(), 3), "every_s": self.interval_s,
                                                      "refresh_s": self.refresh_s}))
         except Exception as e:  # storage trouble: the checkpoint path reports it; this is only bookkeeping
-            say(f"warning: could not write {self.uri}: {e}")
+            if not self._warned:
+                self._warned = True
+                say(f"warning: could not write {self.uri} (lost-step accounting only; said once): {e}")
 
     def _run(self) -> None:
         while not self._stop.is_set():
