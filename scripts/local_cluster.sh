@@ -35,9 +35,13 @@ print_env() {
 # PIDs of every process of this cluster: all of them carry our private temp dir on their command line
 # (the head's and each fake node's raylet, GCS, dashboard, agents and workers).
 cluster_pids() {
+  # By command line (raylets, GCS, monitor), and by the marker every process of this cluster inherits:
+  # the fake nodes' dashboard and runtime-env agents rename themselves (ray::DashboardAgent) and
+  # outlive their raylet, so their command line no longer names the cluster.
   local pid
-  for pid in $(pgrep -f -- "$STATE/ray" || true); do
-    [ "$pid" != "$$" ] && echo "$pid"
+  for pid in $( (pgrep -f -- "$STATE/ray" || true
+                 grep -lsz "^RAYTRAIN_CLUSTER_STATE=$STATE\$" /proc/[0-9]*/environ | cut -d/ -f3) | sort -u); do
+    [ "$pid" != "$$" ] && [ "$pid" != "$BASHPID" ] && echo "$pid"
   done
 }
 
@@ -70,7 +74,7 @@ PY
   # RAY_memory_monitor_refresh_ms=0: every fake node's raylet watches the memory of the WHOLE machine
   # and kills workers at 95%, so on a shared machine one busy neighbour would kill our training
   # workers and the head's Train controller. Real nodes keep Ray's default.
-  RAY_FAKE_CLUSTER=1 RAY_memory_monitor_refresh_ms=0 setsid nohup ray start --head --block --port="$PORT" --node-ip-address=127.0.0.1 \
+  RAYTRAIN_CLUSTER_STATE="$STATE" RAY_FAKE_CLUSTER=1 RAY_memory_monitor_refresh_ms=0 setsid nohup ray start --head --block --port="$PORT" --node-ip-address=127.0.0.1 \
     --dashboard-host=127.0.0.1 --dashboard-port="$DASH_PORT" --include-dashboard=true \
     --dashboard-agent-listen-port="$AGENT_PORT" --dashboard-agent-grpc-port="$AGENT_GRPC" \
     --metrics-export-port="$METRICS" --runtime-env-agent-port="$RTENV" --ray-client-server-port="$CLIENT" \

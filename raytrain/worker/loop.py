@@ -125,6 +125,10 @@ def train_loop_per_worker(loop_config: dict) -> None:
         state = ckpt.restore(engine, resumed, rank, world)
         state.restarts += 1
         state.global_batch = cfg.global_batch
+    # The run's earlier attempts: a restart from scratch (an attempt that died before its first checkpoint
+    # committed) is a restart too, though no checkpoint carries its count.
+    history = run_history(cfg.run_uri)
+    state.restarts = max(state.restarts, history[1])
     boot["restore"] = time.time()
     # Started only now: on small machines, Ray Data's start-up competing with DeepSpeed's
     # initialisation slowed both down more than running them one after the other.
@@ -140,9 +144,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
     # The checkpoint this attempt resumed from is never pruned while it runs.
     writer = ckpt.CheckpointWriter(cfg.checkpoint, cfg.run_uri, rank, world,
                                    protect=(f"{cfg.run_uri}/{ckpt.dir_name(state.step)}",) if resumed else ())
-    # Only rank 0's clock decides an auto interval, so only it reads the run's history.
     interval = CheckpointInterval(cfg.checkpoint.every_n_steps, cfg.checkpoint.mtbf_s, cfg.checkpoint.auto_initial_cost_s,
-                                  *(run_history(cfg.run_uri) if rank == 0 and cfg.checkpoint.every_n_steps == "auto" else ()))
+                                  *history)
     interval.seed([r["ckpt_stall_s"] for r in log.history if isinstance(r.get("ckpt_stall_s"), (int, float))])
     notice = PreemptionNotice(rank, world, cfg.checkpoint.preemption_check_s, cfg.checkpoint.on_preemption,
                               carry_checkpoint=interval.auto, device=device)
