@@ -158,14 +158,7 @@ class Prices:
         return self.spot_per_hour if rec["market"] == "spot" else self.on_demand_per_hour
 
 
-def _beat_s(beat: dict) -> tuple[float, float]:
-    """(least time between writes after new steps, time between writes while no step is done)."""
-    every = float(beat.get("every_s", 2.0))
-    return every, float(beat.get("refresh_s", every))
-
-
-def _lost_steps(resumed: int, lost_s: float, t_fail: float, beat: Optional[dict], prev: dict,
-                step_s: Optional[float]) -> dict:
+def _lost_steps(resumed: int, lost_s: float, t_fail: float, beat: Optional[dict], step_s: Optional[float]) -> dict:
     """Steps trained past the resumed checkpoint and thrown away.
 
     From the failed attempt's heartbeat when it left one: the step it reached, plus the whole steps it
@@ -174,8 +167,8 @@ def _lost_steps(resumed: int, lost_s: float, t_fail: float, beat: Optional[dict]
     steps). Else lost time at the median step rate, which overstates steps when the attempt was slow or
     stuck before it failed.
     """
-    if beat and beat.get("time", 0) >= prev["time"]:
-        every = _beat_s(beat)[0]
+    if beat:
+        every = float(beat.get("every_s", 2.0))
         stuck = beat["time"] - beat.get("step_time", beat["time"]) > max(every, 3 * (step_s or 0))
         unseen = 0 if (stuck or not step_s) else int(min(max(0.0, t_fail - beat["time"]), every) / step_s)
         seen = max(0, beat["step"] - resumed)
@@ -231,15 +224,17 @@ def report(run_uri: str, prices: Prices, mtbf_s: Optional[float] = None,
         if lost_in_between:
             t_fail = min(lost_in_between)
         beat = cur.get("previous_progress")
-        if beat and beat.get("time", 0) >= prev["time"]:
+        if beat and beat.get("time", 0) < prev["time"]:
+            beat = None  # older than the failed attempt (it died before its first beat): not its progress
+        if beat:
             # The failed attempt's own heartbeat: it failed before the next write was due (or earlier,
             # when a node loss stopped another rank while rank 0 kept beating).
-            t_fail = min(t_fail, beat["time"] + _beat_s(beat)[1])
+            t_fail = min(t_fail, beat["time"] + float(beat.get("refresh_s", beat.get("every_s", 2.0))))
         t_ckpt = _committed_time(run_uri, cur["resumed_step"]) if cur["resumed_step"] else None
         t_from = max(t for t in (t_ckpt, prev.get("first_step_time"), prev["time"]) if t is not None)
         lost_s = max(0.0, t_fail - t_from)
         restarts.append({"resumed_step": cur["resumed_step"], "lost_s": round(lost_s, 1),
-                         **_lost_steps(cur["resumed_step"], lost_s, t_fail, beat, prev, step_s),
+                         **_lost_steps(cur["resumed_step"], lost_s, t_fail, beat, step_s),
                          "recovery_s": round(cur.get("first_step_time", cur["time"]) - t_fail, 1)})
 
     ckpt_costs = [r["ckpt_stall_s"] for r in metrics if isinstance(r.get("ckpt_stall_s"), (int, float))]

@@ -34,14 +34,21 @@ def _s3_filesystem() -> pafs.S3FileSystem:
     region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
     if region:
         kwargs["region"] = region
-    # Transient errors (throttling, resets) are retried with backoff; a dead endpoint still fails in
-    # seconds rather than minutes.
-    # Operators on slow links can raise them through RAYTRAIN_S3_* variables.
-    kwargs["connect_timeout"] = float(os.environ.get("RAYTRAIN_S3_CONNECT_TIMEOUT", 5))
-    kwargs["request_timeout"] = float(os.environ.get("RAYTRAIN_S3_REQUEST_TIMEOUT", 30))
-    kwargs["retry_strategy"] = pafs.AwsStandardS3RetryStrategy(
-        max_attempts=int(os.environ.get("RAYTRAIN_S3_MAX_ATTEMPTS", 5)))
+    connect_s, request_s, attempts = _s3_limits()
+    kwargs["connect_timeout"], kwargs["request_timeout"] = connect_s, request_s
+    kwargs["retry_strategy"] = pafs.AwsStandardS3RetryStrategy(max_attempts=attempts)
     return pafs.S3FileSystem(**kwargs)
+
+
+def _s3_limits() -> tuple[float, float, int]:
+    """(connect timeout s, request timeout s, attempts) for every S3 client, pyarrow's and boto3's alike.
+
+    Transient errors (throttling, resets) are retried with backoff; a dead endpoint still fails in
+    seconds rather than minutes. Operators on slow links can raise them through RAYTRAIN_S3_* variables.
+    """
+    return (float(os.environ.get("RAYTRAIN_S3_CONNECT_TIMEOUT", 5)),
+            float(os.environ.get("RAYTRAIN_S3_REQUEST_TIMEOUT", 30)),
+            int(os.environ.get("RAYTRAIN_S3_MAX_ATTEMPTS", 5)))
 
 
 def _s3_path(uri: str) -> str:
@@ -157,11 +164,10 @@ def _s3_client():
     import boto3
     from botocore.config import Config as BotoConfig
 
-    return boto3.client("s3", config=BotoConfig(
-        connect_timeout=float(os.environ.get("RAYTRAIN_S3_CONNECT_TIMEOUT", 5)),
-        read_timeout=float(os.environ.get("RAYTRAIN_S3_REQUEST_TIMEOUT", 30)),
-        retries={"max_attempts": int(os.environ.get("RAYTRAIN_S3_MAX_ATTEMPTS", 5)), "mode": "standard"},
-        max_pool_connections=32))
+    connect_s, request_s, attempts = _s3_limits()
+    return boto3.client("s3", config=BotoConfig(connect_timeout=connect_s, read_timeout=request_s,
+                                                retries={"max_attempts": attempts, "mode": "standard"},
+                                                max_pool_connections=32))
 
 
 def _upload_dir_s3(local_dir: str, path: str) -> None:
