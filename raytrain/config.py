@@ -158,14 +158,6 @@ class ScalingSection(_Section):
     collective_timeout_s: int = Field(1800, ge=1, description="a collective (gradient all-reduce, barrier) waiting longer than this fails with a diagnosis naming the rank and the collective instead of hanging; a warning is logged at half of it")
     address: Optional[str] = Field(None, description="Ray cluster address; null: RAY_ADDRESS if set, else a new local Ray instance")
 
-    @model_validator(mode="after")
-    def _one_gpu_per_worker(self) -> "ScalingSection":
-        # DeepSpeed puts each rank on cuda:LOCAL_RANK, which is only the GPU Ray gave it when every worker
-        # has exactly one; NCCL also refuses two ranks on one GPU.
-        if self.use_gpu and self.gpus_per_worker != 1:
-            raise ValueError(f"scaling.gpus_per_worker={self.gpus_per_worker:g}: DeepSpeed runs one process per GPU; "
-                             "set it to 1 and scale with scaling.num_workers (or deepspeed.tensor_parallel_size)")
-        return self
 
 
 class CheckpointSection(_Section):
@@ -260,6 +252,17 @@ class Config(_Section):
     metrics: MetricsSection = Field(default_factory=MetricsSection)
     health: HealthSection = Field(default_factory=HealthSection)
     cost: CostSection = Field(default_factory=CostSection)
+
+    @model_validator(mode="after")
+    def _one_gpu_per_worker(self) -> "Config":
+        # DeepSpeed puts each rank on cuda:LOCAL_RANK, which is only the GPU Ray gave it when every worker
+        # has exactly one; NCCL also refuses two ranks on one GPU. (Here, not in the section: a section's
+        # messages are shown lower-cased with the whole section after them.)
+        s = self.scaling
+        if s.use_gpu and s.gpus_per_worker != 1:
+            raise ValueError(f"scaling.gpus_per_worker={s.gpus_per_worker:g}: DeepSpeed runs one process per GPU; "
+                             "set it to 1 and scale with scaling.num_workers (or deepspeed.tensor_parallel_size)")
+        return self
 
     @model_validator(mode="after")
     def _tensor_parallel_fits(self) -> "Config":
