@@ -349,8 +349,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from raytrain.quiet import quiet_deepspeed, quiet_warnings
+
     args = build_parser().parse_args(argv)
+    quiet_warnings()
     try:
+        if args.fn in (_cmd_plan, _cmd_export, _cmd_eval, _cmd_generate, _cmd_check):
+            quiet_deepspeed()  # these import DeepSpeed, which would announce the accelerator it guessed
         return args.fn(args)
     except UserError as e:
         print(f"raytrain: error: {e}", file=sys.stderr)

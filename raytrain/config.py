@@ -195,7 +195,8 @@ class RunSection(_Section):
     max_steps: int = Field(100, ge=1, description="optimizer steps to train")
     seed: int = Field(0, ge=0, lt=2**32, description="seed for init, data order and RNGs")
     eval_every: int = Field(100, ge=0, description="validation interval in steps; 0: only at the end (and step 0)")
-    log_every: int = Field(10, ge=1, description="metrics / console interval in steps")
+    log_every: int = Field(10, ge=1, description="metrics interval in steps (metrics.jsonl, Prometheus, TensorBoard)")
+    progress_every: Optional[int] = Field(None, ge=1, description="console progress-line interval in steps, rounded up to a multiple of log_every; null: about 10 lines per run. Validation steps and the last step always print")
     max_failures: int = Field(3, ge=0, description="worker-failure restarts before the run fails")
     max_preemptions: int = Field(-1, ge=-1, description="restarts after node preemptions, counted apart from failures; -1: unlimited")
 

@@ -51,9 +51,12 @@ def _connect_ray() -> bool:
     """Join RAY_ADDRESS's cluster (or the one this process already has); else start a local one. True if started."""
     import ray
 
+    from raytrain.ray_auth import ensure_token
+
     if ray.is_initialized():
         return False
     address = os.environ.get("RAY_ADDRESS")
+    ensure_token(create=not address or address.startswith(("http://", "https://")))
     if address and not address.startswith(("http://", "https://")):
         ray.init(address=address)
         return False

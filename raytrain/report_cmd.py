@@ -1,5 +1,5 @@
 """`raytrain report RUN_URI`: a PNG of loss, perplexity and throughput over steps and a Markdown summary of a run,
-both from its metrics.jsonl and summary.json (local or s3://)."""
+both from its metrics.jsonl, summary.json and attempts.jsonl (local or s3://); restarts and rollbacks are marked."""
 
 from __future__ import annotations
 
@@ -32,7 +32,20 @@ def _series(recs: list[dict], key: str) -> tuple[list[int], list[float]]:
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
-def plot(recs: list[dict], title: str, path: str) -> None:
+def restarts(run_uri: str) -> list[dict]:
+    """Each restart of the run (attempts.jsonl): the step it resumed at, the steps redone and the wall seconds
+    lost, counted the way `raytrain cost` counts them (one source for both)."""
+    from raytrain.cost import Prices, report as cost_report
+
+    rows = cost_report(run_uri, Prices(0.0, 0.0, 0.0))["restarts"]
+    for i, r in enumerate(rows, start=1):
+        r["attempt"] = i
+        # Work thrown away (trained past the checkpoint, then redone) plus the time until training resumed.
+        r["wall_lost_s"] = round(r["lost_s"] + max(0.0, r["recovery_s"]), 1)
+    return rows
+
+
+def plot(recs: list[dict], title: str, path: str, restarted: tuple[dict, ...] = ()) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -55,6 +68,8 @@ def plot(recs: list[dict], title: str, path: str) -> None:
                 ax.plot(xs, ys, style, label=label, markersize=4)
         for rb in rollbacks:
             ax.axvline(rb.get("bad_step", rb["step"]), color="red", linestyle=":", alpha=0.7)
+        for rs in restarted:
+            ax.axvline(rs["resumed_step"], color="tab:orange", linestyle="--", alpha=0.8)
         if log and ax.lines:
             ax.set_yscale("log")
         ax.set_ylabel(ylabel)
@@ -63,6 +78,9 @@ def plot(recs: list[dict], title: str, path: str) -> None:
             ax.legend(loc="best")
     if rollbacks:
         axes[0].plot([], [], color="red", linestyle=":", label="rollback (bad step)")
+    if restarted:
+        axes[0].plot([], [], color="tab:orange", linestyle="--", label="restart (step resumed at)")
+    if rollbacks or restarted:
         axes[0].legend(loc="best")
     axes[2].set_xlabel("optimizer step")
     fig.suptitle(title)
@@ -75,7 +93,8 @@ def _f(v, fmt: str) -> str:
     return format(v, fmt) if isinstance(v, (int, float)) and not isinstance(v, bool) else "-"
 
 
-def markdown(recs: list[dict], summary: Optional[dict], run_uri: str, png_name: str) -> str:
+def markdown(recs: list[dict], summary: Optional[dict], run_uri: str, png_name: str,
+             restarted: tuple[dict, ...] = ()) -> str:
     s = summary or {}
     last = lambda k: next((r[k] for r in reversed(recs) if isinstance(r.get(k), (int, float))), None)  # noqa: E731
     first = lambda k: next((r[k] for r in recs if isinstance(r.get(k), (int, float))), None)  # noqa: E731
@@ -104,6 +123,15 @@ def markdown(recs: list[dict], summary: Optional[dict], run_uri: str, png_name: 
     if any(v is not None for v in phases.values()):
         lines += ["Step time by phase at the last log step: " +
                   ", ".join(f"{k} {_f(v, '.4f')} s" for k, v in phases.items()), ""]
+    lines += ["## Restarts", ""]
+    if not restarted:
+        lines.append("No restarts.")
+    else:
+        lines += ["| restart | resumed at step | steps redone | wall s lost | of which recovery s |",
+                  "| --- | --- | --- | --- | --- |"]
+        lines += [f"| {r['attempt']} | {r['resumed_step']} | {_f(r['lost_steps'], 'd')} | {_f(r['wall_lost_s'], '.1f')} "
+                  f"| {_f(r['recovery_s'], '.1f')} |" for r in restarted]
+    lines.append("")
     violations = s.get("health_violations") or {}
     rolled = [r for r in recs if r.get("event") == "rollback"]
     lines += ["## Health", ""]
@@ -132,7 +160,8 @@ def report(run_uri: str, out: Optional[str] = None) -> tuple[str, str]:
     with tempfile.TemporaryDirectory(prefix="raytrain-report-") as d:
         local = os.path.join(d, "report.png")
         name = (summary or {}).get("run") or os.path.basename(run_uri.rstrip("/"))
-        plot(recs, f"raytrain run {name}", local)
+        restarted = tuple(restarts(run_uri))
+        plot(recs, f"raytrain run {name}", local, restarted)
         storage.upload_file(local, png)
-    storage.write_text(md, markdown(recs, summary, run_uri, "report.png"))
+    storage.write_text(md, markdown(recs, summary, run_uri, "report.png", restarted))
     return png, md

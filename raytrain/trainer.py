@@ -7,6 +7,7 @@ here, so bad input fails in a second with one line instead of after a cluster sp
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from typing import Callable, Optional
 
@@ -55,9 +56,12 @@ def init_ray(cfg: Config) -> bool:
     """Connect to (or start) Ray. Returns True when raytrain started a private local instance."""
     import ray
 
+    from raytrain.ray_auth import ensure_token
+
     if ray.is_initialized():
         return False
     address = cfg.scaling.address or os.environ.get("RAY_ADDRESS")
+    ensure_token(create=not address)
     if address and address.startswith(("http://", "https://")):
         raise UserError(f"RAY_ADDRESS={address} is the Ray Jobs API address: submit with `ray job submit -- "
                         f"raytrain train ...`, or run on a cluster node with scaling.address=auto")
@@ -66,14 +70,17 @@ def init_ray(cfg: Config) -> bool:
     in_job = bool(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") or os.environ.get("RAY_SUBMISSION_ID"))
     env = {k: os.environ[k] for k in _FORWARDED_ENV if k in os.environ} if not in_job else {}
     runtime_env = {"env_vars": env} if env else None
+    # Workers' own lines (our progress lines, errors) reach this console; Ray's INFO chatter does not. A
+    # job-level logging config also drops the "(RayTrainWorker pid=...)" prefix from forwarded lines.
+    quiet = {"logging_level": logging.WARNING, "logging_config": ray.LoggingConfig(encoding="TEXT", log_level="WARNING")}
     if address:
-        ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
+        ray.init(address=address, runtime_env=runtime_env, log_to_driver=True, **quiet)
         return False
     # No address: a fresh local instance, never a stray cluster left on this machine. Its logical CPUs
     # are sized so that Train workers AND Ray Data both fit (pitfalls #1).
     need = cfg.scaling.num_workers * cfg.scaling.cpus_per_worker + cfg.scaling.data_cpus
     ray.init(address="local", num_cpus=max(int(need + 0.999), os.cpu_count() or 1), include_dashboard=False,
-             runtime_env=runtime_env)
+             runtime_env=runtime_env, **quiet)
     return True
 
 
@@ -196,7 +203,7 @@ def train(cfg: Config, log: Callable[[str], None] = print, reader: str = "ray", 
     `callbacks` are Ray Train callbacks for the run, e.g. Tune's TuneReportCallback when the run is a
     sweep trial (raytrain.sweep): every metrics report of the workers then reaches the Tune trial.
     """
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train import FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig
 
     from raytrain.model import apply_init_from
@@ -234,6 +241,7 @@ def train(cfg: Config, log: Callable[[str], None] = print, reader: str = "ray", 
             failure_config=FailureConfig(max_failures=cfg.run.max_failures,
                                          max_preemption_failures=cfg.run.max_preemptions),
             callbacks=callbacks,
+            logging_config=LoggingConfig(log_level="WARNING"),  # worker-group start/stop lines: Ray's logs only
         ),
     )
     # Node time by market and lost nodes, for `raytrain cost` (raytrain/cost.py).

@@ -58,6 +58,9 @@ with contextlib.redirect_stdout(io.StringIO()):
         builder.load(verbose=False)
 PY
 fi
-# Ray's token authentication (pitfalls #2): clients and clusters we start agree on token mode.
+# Ray's token authentication (pitfalls #2): clients and clusters we start agree on token mode, and a
+# token exists before the first `ray start` (which refuses to start without one). Never overwritten.
 export RAY_AUTH_MODE="${RAY_AUTH_MODE:-token}"
+RAYTRAIN_AUTH_LINE="$(python -m raytrain.ray_auth)"
+export RAYTRAIN_AUTH_LINE
 export RAY_USAGE_STATS_ENABLED=0

@@ -119,6 +119,9 @@ def main(argv: list[str] | None = None) -> dict:
 
             # Logical CPUs above the 2 training workers, so Ray Data always has room (pitfalls #1).
             if not ray.is_initialized():
+                from raytrain.ray_auth import ensure_token
+
+                ensure_token()
                 ray.init(address="local", num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False,
                          log_to_driver=False)
                 started_ray = True

@@ -123,6 +123,9 @@ def main() -> None:
         for p in Path(local).rglob("*"):
             if p.is_file():
                 storage.upload_file(str(p), storage.join(s3, str(p.relative_to(local))))
+        from raytrain.ray_auth import ensure_token
+
+        ensure_token()
         ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
         worker = ray.remote(num_cpus=1)(ingest_in_worker)
         results["ingest"] = []

@@ -201,7 +201,9 @@ def main(argv=None) -> int:
     # Before Ray is imported, which reads them. Ray's token authentication (pitfalls #2): the nodes
     # and this driver must agree on the mode.
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
-    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    from raytrain.ray_auth import ensure_token
+
+    ensure_token()  # its `ray start` nodes refuse to start without a token
     import ray
 
     from raytrain.trainer import train

@@ -25,6 +25,7 @@ else
 fi
 
 echo "[demo] starting a local Ray cluster (GCS port $GCS_PORT, dashboard/jobs port $DASH_PORT, $NUM_CPUS CPUs)"
+echo "[demo] $RAYTRAIN_AUTH_LINE"
 RAY_TMP="$(mktemp -d /tmp/raytrain-demo-XXXX)"
 ray start --head --block --port="$GCS_PORT" --dashboard-host=127.0.0.1 --dashboard-port="$DASH_PORT" \
   --num-cpus="$NUM_CPUS" --include-dashboard=true --disable-usage-stats >"$RAY_TMP/ray-start.log" 2>&1 &
@@ -47,12 +48,42 @@ for _ in $(seq 1 120); do
   sleep 1
 done
 
-echo "[demo] submitting run $RUN_NAME with ray job submit"
-ray job submit --working-dir "$ROOT" \
-  --runtime-env-json '{"excludes": ["/.venv", "/data", "/runs", "/.git"]}' \
-  -- raytrain train --config tiny \
-  data.train="$DATA/train" data.val="$DATA/val" \
-  checkpoint.storage="$RUNS" run.name="$RUN_NAME" "$@"
+# Submitted without waiting, then followed: what follows is the job's own output (the run's progress),
+# not the submission client's chatter, which goes to $RAY_TMP/submit.log. (.git and .venv are left out
+# of the uploaded working dir by Ray itself.)
+echo "[demo] ray job submit --submission-id $RUN_NAME ... -- raytrain train --config tiny ... (ray job logs -f $RUN_NAME)"
+submit() {
+  ray job submit --no-wait --submission-id "$RUN_NAME" --working-dir "$ROOT" \
+    --runtime-env-json '{"excludes": ["/data", "/runs"]}' \
+    -- raytrain train --config tiny \
+    data.train="$DATA/train" data.val="$DATA/val" \
+    checkpoint.storage="$RUNS" run.name="$RUN_NAME" "$@" >"$RAY_TMP/submit.log" 2>&1
+}
+# The jobs API answers a few seconds before the node's job agent does ("No available agent").
+for try in $(seq 1 30); do
+  if submit "$@"; then break; fi
+  if [ "$try" = 30 ] || ! grep -q "No available agent" "$RAY_TMP/submit.log"; then
+    echo "[demo] error: ray job submit failed; see $RAY_TMP/submit.log" >&2; tail -3 "$RAY_TMP/submit.log" >&2; exit 1
+  fi
+  sleep 2
+done
+python - "$RUN_NAME" <<'PY'
+# `ray job logs -f` with the Jobs SDK: the job's output only, and the job's final state as the exit code.
+import asyncio, os, sys
+from ray.job_submission import JobStatus, JobSubmissionClient
+
+client, job = JobSubmissionClient(os.environ["RAY_ADDRESS"]), sys.argv[1]
+
+async def follow():
+    async for chunk in client.tail_job_logs(job):
+        print(chunk, end="", flush=True)
+
+asyncio.run(follow())
+status = client.get_job_status(job)
+if status != JobStatus.SUCCEEDED:
+    print(f"[demo] error: job {job} ended {status}: {client.get_job_info(job).message}", file=sys.stderr)
+    sys.exit(1)
+PY
 
 if [ ! -f "$RUNS/$RUN_NAME/summary.json" ]; then
   echo "[demo] error: no summary.json in $RUNS/$RUN_NAME; the job did not finish" >&2

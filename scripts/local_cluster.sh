@@ -85,7 +85,7 @@ PY
   for _ in $(seq 1 120); do
     if ray job list >/dev/null 2>&1; then
       echo "[cluster] up. Clients need:"; print_env
-      echo "[cluster] token: $(ls ~/.ray/auth_token 2>/dev/null || echo 'see ray get-auth-token')"
+      echo "[cluster] $RAYTRAIN_AUTH_LINE"
       return 0
     fi
     if ! kill -0 "$(cat "$STATE/pid")" 2>/dev/null; then

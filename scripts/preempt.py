@@ -138,7 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     _GCS_PORT[:] = [args.address.rsplit(":", 1)[-1]]
 
     # The clusters we start use token auth (pitfalls #2); Ray reads the mode when first imported.
-    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    from raytrain.ray_auth import ensure_token
+
+    ensure_token(create=False)
     import ray
 
     ray.init(address=args.address, log_to_driver=False, logging_level="ERROR")

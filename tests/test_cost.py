@@ -169,3 +169,15 @@ def test_young_daly_formula():
 def test_cost_of_a_missing_run_is_one_line_error(tmp_path, capsys):
     assert main(["cost", str(tmp_path / "nope")]) == 2
     assert "run directory not found" in capsys.readouterr().err
+
+
+def test_run_report_lists_restarts_with_the_step_resumed_at(run_dir, tmp_path):
+    """`raytrain report` marks each restart: step resumed at, steps redone and wall seconds lost, counted as
+    `raytrain cost` counts them."""
+    assert main(["report", str(run_dir), "--out", str(tmp_path / "out")]) == 0
+    text = (tmp_path / "out" / "report.md").read_text()
+    assert "## Restarts" in text
+    # Resumed at 3000 (committed T0+3010); the node died at T0+h+5: 595 s of work thrown away at 1 step/s
+    # (595 steps redone), then 95 s until the next attempt's first step.
+    row = next(line for line in text.splitlines() if line.startswith("| 1 | 3000 |"))
+    assert [c.strip() for c in row.strip("|").split("|")] == ["1", "3000", "595", "690.0", "95.0"], row

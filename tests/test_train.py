@@ -85,6 +85,11 @@ def test_crashed_worker_resumes_with_identical_losses(ray_cluster, tiny_data, tm
     unrecorded = int(HEARTBEAT_S["local"] / report["step_s"])
     lost = 6 - restart["resumed_step"]  # (-1 below: step 6's own write may not have landed before the kill)
     assert lost - 1 <= restart["lost_steps"] <= lost + unrecorded, (restart, report["step_s"])
+    # `raytrain report` lists the restart with the step it resumed at and the steps it redid.
+    from raytrain.report_cmd import report as run_report
+
+    _, md = run_report(cfg.run_uri)
+    assert f"| 1 | {restart['resumed_step']} | {restart['lost_steps']} |" in storage.read_text(md)
 
 
 def test_resubmitted_run_resumes_from_s3(ray_cluster, s3_server, corpus_dir, tmp_path, baseline):

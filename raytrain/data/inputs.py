@@ -140,6 +140,9 @@ def use_ray(engine: str) -> bool:
     if engine == "local" or (engine == "auto" and not ray.is_initialized() and not address):
         return False
     if not ray.is_initialized():
+        from raytrain.ray_auth import ensure_token
+
+        ensure_token(create=not os.environ.get("RAY_ADDRESS"))
         # RAY_ADDRESS's cluster when set; otherwise a fresh local instance, never a stray cluster that
         # an earlier `ray start` on this machine left behind (ray.init() alone would try to join it).
         ray.init(address=os.environ.get("RAY_ADDRESS") or "local", log_to_driver=False)

@@ -6,7 +6,6 @@ Everything that is not "take a batch, step the engine" is a component it calls: 
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 import zlib
@@ -19,6 +18,7 @@ from raytrain import storage
 from raytrain.config import Config
 from raytrain.data.manifest import Split
 from raytrain.data.stream import SampleStream
+from raytrain.quiet import no_stdout, quiet_worker
 from raytrain.ds_config import build_ds_config, lr_lambda, resolve_dtype
 from raytrain.errors import UserError
 from raytrain.model import build_model, compile_engine, flops_per_token, moe_aux_loss, param_counts
@@ -27,7 +27,7 @@ from raytrain.worker.comm import FAILURE_FILE as COMM_FAILURE_FILE, CommWatch
 from raytrain.worker.evaluate import Evaluator, lm_loss
 from raytrain.worker.interval import CheckpointInterval, run_history
 from raytrain.worker.preemption import PreemptionNotice
-from raytrain.worker.runlog import SUMMARY, Heartbeat, RunLog, record_attempt, say
+from raytrain.worker.runlog import SUMMARY, Heartbeat, RunLog, progress_every, record_attempt, say
 from raytrain.worker.telemetry import Telemetry, nan_hook, oom_guard, rollback
 
 
@@ -67,13 +67,11 @@ def _mean_across_ranks(x: torch.Tensor, world: int) -> float:
 
 
 def train_loop_per_worker(loop_config: dict) -> None:
+    quiet_worker()  # before DeepSpeed's first import: it announces the accelerator it guessed
     import deepspeed
     import ray.train
     import ray.train.torch
 
-    # Per-report INFO lines from Ray Train / Ray Data drown the progress lines; warnings still show.
-    for name in ("ray.train", "ray.train.v2", "ray.train.v2._internal.execution.context", "ray.data"):
-        logging.getLogger(name).setLevel(logging.WARNING)
     t_start = time.time()
     cfg = Config.model_validate(loop_config["config"])
     train_split = Split.from_dict(loop_config["train_split"])
@@ -110,13 +108,14 @@ def train_loop_per_worker(loop_config: dict) -> None:
     ds_config = build_ds_config(cfg, world, dtype, cuda)
     if resharding:
         ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": True}
-    engine, _, _, _ = deepspeed.initialize(
-        model=model,
-        model_parameters=_param_groups(model, cfg.optim.weight_decay),
-        config=ds_config,
-        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg)),
-        dist_init_required=False,
-    )
+    with no_stdout():
+        engine, _, _, _ = deepspeed.initialize(
+            model=model,
+            model_parameters=_param_groups(model, cfg.optim.weight_decay),
+            config=ds_config,
+            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg)),
+            dist_init_required=False,
+        )
     compile_engine(engine, cfg.model)
     dp_rank, dp_size = _data_parallel_rank(cfg, rank, world)
     boot["engine"] = time.time()
@@ -140,7 +139,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
     # Validation is small and read once, so a direct read beats starting a Ray Data pipeline for it.
     evaluate = Evaluator(val_split, cfg.data.eval_samples, cfg.batch.micro_batch_size, dp_rank, dp_size, device,
                          "pyarrow") if val_split else None
-    log = RunLog(cfg.run_uri, cfg.run.max_steps, state.step, enabled=rank == 0)
+    log = RunLog(cfg.run_uri, cfg.run.max_steps, state.step, enabled=rank == 0,
+                 progress_every=progress_every(cfg.run.progress_every, cfg.run.log_every, cfg.run.max_steps))
     # The checkpoint this attempt resumed from is never pruned while it runs.
     writer = ckpt.CheckpointWriter(cfg.checkpoint, cfg.run_uri, rank, world,
                                    protect=(f"{cfg.run_uri}/{ckpt.dir_name(state.step)}",) if resumed else ())
@@ -267,7 +267,6 @@ def train_loop_per_worker(loop_config: dict) -> None:
             rec["val_loss"], rec["val_ppl"] = evaluate(engine)
         tel.observe(rec, sync=do_eval or do_ckpt)
         log.write(rec, sync=True if (do_eval or do_ckpt) else None)
-        log.console(rec)
         if do_ckpt:
             if preempted and rank == 0:
                 say(f"preemption notice at step {state.step}: {preempted}; checkpointing now")
@@ -277,8 +276,10 @@ def train_loop_per_worker(loop_config: dict) -> None:
             log.write({"step": state.step, "checkpoint": name, "ckpt_stall_s": writer.last_stall_s,
                        "ckpt_mode": cfg.checkpoint.upload, "preemption_checkpoint": preempted is not None,
                        **({"auto_interval_s": round(interval.interval_s, 2)} if interval.auto else {})})
-            if rank == 0:
-                say(f"checkpoint {name}: training paused {writer.last_stall_s:.2f}s ({cfg.checkpoint.upload} upload)")
+            log.checkpoint = name
+        if do_log or do_eval:
+            log.console(rec)  # after the save: the line names the checkpoint this step wrote
+        if do_ckpt:
             if preempted:
                 # The notice's checkpoint must be committed before any rank leaves.
                 writer.wait()
@@ -377,5 +378,5 @@ def _write_summary(cfg: Config, log: RunLog, state: ckpt.TrainState, last_ckpt, 
         **(extra or {}),  # health: rollbacks, violations per rule
     }
     log.sync()
+    # The driver prints it (format_summary); the console does not get it twice.
     storage.write_text(storage.join(cfg.run_uri, SUMMARY), json.dumps(summary, indent=1))
-    say("summary " + json.dumps(summary))

@@ -47,7 +47,15 @@ def _duration(s: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
 
-def progress_line(rec: dict, max_steps: int, start_step: int, elapsed: float, tty: bool = False) -> str:
+def progress_every(every: Optional[int], log_every: int, max_steps: int) -> int:
+    """Console lines at a multiple of the metrics interval (a progress line needs that step's metrics);
+    by default about ten per run, so a long run's output stays readable."""
+    want = every or max(1, max_steps // 10)
+    return max(1, -(-want // log_every)) * log_every
+
+
+def progress_line(rec: dict, max_steps: int, start_step: int, elapsed: float, tty: bool = False,
+                  checkpoint: Optional[str] = None) -> str:
     step = rec["step"]
     done = step - start_step
     eta = elapsed / done * (max_steps - step) if done > 0 else float("nan")
@@ -58,24 +66,24 @@ def progress_line(rec: dict, max_steps: int, start_step: int, elapsed: float, tt
         parts[0] = f"[{'#' * filled}{'.' * (20 - filled)}] {parts[0]}"
     if isinstance(rec.get("loss"), (int, float)):
         parts.append(f"loss {rec['loss']:.4f}")
-        if isinstance(rec.get("ppl"), (int, float)):
-            parts.append(f"ppl {rec['ppl']:.2f}")
     if "val_loss" in rec:
         parts.append(f"val_loss {rec['val_loss']:.4f} val_ppl {rec['val_ppl']:.2f}")
-    if "lr" in rec:
-        parts.append(f"lr {rec['lr']:.2e}")
     if "tokens_per_s" in rec:
         parts.append(f"{rec['tokens_per_s']:.0f} tok/s")
     if isinstance(rec.get("mfu"), (int, float)):
         parts.append(f"MFU {rec['mfu']:.1%}")
     if math.isfinite(eta):
         parts.append(f"ETA {_duration(eta)}")
+    if checkpoint:
+        parts.append(f"ckpt {checkpoint}")
     return " | ".join(parts)
 
 
 class RunLog:
-    def __init__(self, run_uri: str, max_steps: int, resumed_step: int, enabled: bool):
+    def __init__(self, run_uri: str, max_steps: int, resumed_step: int, enabled: bool, progress_every: int = 1):
         self.run_uri, self.max_steps, self.enabled = run_uri, max_steps, enabled
+        self.progress_every = progress_every
+        self.checkpoint: Optional[str] = None  # the newest checkpoint saved, named on the progress line
         self.remote = storage.is_remote(run_uri)
         self.history: list[dict] = []
         self.t_start = time.time()
@@ -121,11 +129,14 @@ class RunLog:
         self.sync()
 
     def console(self, rec: dict) -> None:
-        """One compact line per log step (step/total, loss, ppl, tokens/s, MFU, ETA); on a terminal a
-        progress bar leads it. The ETA is from this session's own pace."""
-        if not self.enabled:
+        """One compact line every `progress_every` steps, at validations and at the end (step/total, loss,
+        tokens/s, MFU, ETA, newest checkpoint); on a terminal a progress bar leads it. The ETA is from this
+        session's own pace. Every log step's full record is in metrics.jsonl."""
+        step = rec["step"]
+        if not self.enabled or not (step % self.progress_every == 0 or "val_loss" in rec or step == self.max_steps):
             return
-        say(progress_line(rec, self.max_steps, self.start_step, time.time() - self.t_start, sys.stdout.isatty()))
+        say(progress_line(rec, self.max_steps, self.start_step, time.time() - self.t_start, sys.stdout.isatty(),
+                          self.checkpoint))
 
     def last(self, key: str) -> Optional[float]:
         for rec in reversed(self.history):

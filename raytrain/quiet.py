@@ -1,0 +1,59 @@
+"""What a person sees from raytrain's processes: library chatter silenced at its source, our own lines kept.
+
+Everything silenced here is either a notice meant for a library's maintainers (deprecations), a line that
+repeats what our own progress line says (Ray Train's per-report dump), or a guess a library announces
+that we make for it explicitly (DeepSpeed's accelerator). What the run needs to keep is in the run
+directory (metrics.jsonl, summary.json, attempts.jsonl) and Ray's session logs, not on the console.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import warnings
+
+
+def quiet_warnings() -> None:
+    # Deprecation notices from torch / DeepSpeed / transformers: a user of raytrain can act on none of them.
+    for category in (FutureWarning, DeprecationWarning, PendingDeprecationWarning):
+        warnings.filterwarnings("ignore", category=category)
+
+
+def quiet_deepspeed() -> None:
+    """Call before deepspeed is first imported. With no CUDA, name the CPU accelerator ourselves, so DeepSpeed
+    does not warn that it fell back to it ("Setting accelerator to CPU ...")."""
+    if "DS_ACCELERATOR" in os.environ:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["DS_ACCELERATOR"] = "cpu"
+
+
+def quiet_worker() -> None:
+    """Start of a Ray Train worker: our progress lines stay, the rest goes to Ray's log files only."""
+    quiet_warnings()
+    quiet_deepspeed()
+    # Ray Train configures the worker's root logger at INFO with a console handler; library INFO lines
+    # (Ray Data, DeepSpeed's engine set-up) would reach the job's output through it.
+    logging.getLogger().setLevel(logging.WARNING)
+    for name in ("ray.train", "ray.data", "DeepSpeed", "torch.distributed"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    try:
+        # "Reporting training result N: TrainingReport(...)" comes from a logger named by its file path,
+        # outside the ray.train tree that RunConfig's LoggingConfig filters.
+        from ray.train.v2._internal.execution import context
+
+        context.logger.setLevel(logging.WARNING)
+    except (ImportError, AttributeError):
+        pass
+
+
+@contextlib.contextmanager
+def no_stdout():
+    """DeepSpeed's comm set-up print()s "DeepSpeed ... built successfully" on every start; nothing else it
+    prints to stdout during engine creation is for a user (its warnings go through its logger, to stderr)."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        yield
