@@ -69,6 +69,10 @@ def init_ray(cfg: Config) -> bool:
     # sets would make Ray refuse the merge.
     in_job = bool(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") or os.environ.get("RAY_SUBMISSION_ID"))
     env = {k: os.environ[k] for k in _FORWARDED_ENV if k in os.environ} if not in_job else {}
+    if address and address not in ("auto", "local") and not address.startswith("ray://"):
+        # Ray Train's placement-group cleaner looks the cluster up once a second; without an address it
+        # searches the machine, and with a second Ray instance there it warns on every look.
+        env["RAY_ADDRESS"] = address
     runtime_env = {"env_vars": env} if env else None
     # Workers' own lines (our progress lines, errors) reach this console; Ray's INFO chatter does not. A
     # job-level logging config also drops the "(RayTrainWorker pid=...)" prefix from forwarded lines.

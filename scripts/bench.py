@@ -4,7 +4,7 @@ Parts (see raytrain/bench/parts.py):
   overhead    raytrain tokens/s at steady state vs a plain PyTorch loop (1 worker) and plain DDP (2 workers)
   ingest      SampleStream tokens/s (Ray Data and pyarrow readers) vs a raw pyarrow read; data wait in training
   checkpoint  save / restore MB/s to a local S3-protocol server (moto) vs raw boto3; async vs sync upload stall
-  recovery    seconds from a worker SIGKILL to the first resumed step; steps lost
+  recovery    seconds from a worker SIGKILL to the first resumed step; steps lost; tokens/s after vs before
   gpu         MFU of GPT-2-124M and a ~1B Llama in bf16 vs plain PyTorch + DeepSpeed (skipped without CUDA)
 
 Usage: .venv/bin/python scripts/bench.py [--quick] [--parts overhead,ingest,...] [--json out.json] [--markdown]

@@ -8,8 +8,8 @@ set -euo pipefail
 source "$(dirname "$0")/_env.sh" ""   # "" : no extras (a sourced script would see our args)
 cd "$ROOT"
 
-DATA="$ROOT/data/python-docs"
-RUNS="$ROOT/runs"
+DATA="${RAYTRAIN_DEMO_DATA:-$ROOT/data/python-docs}"
+RUNS="${RAYTRAIN_DEMO_RUNS:-$ROOT/runs}"
 RUN_NAME="demo-$(date +%Y%m%d-%H%M%S)"
 GCS_PORT="${RAYTRAIN_DEMO_PORT:-6390}"
 DASH_PORT="${RAYTRAIN_DEMO_DASHBOARD_PORT:-8290}"
@@ -59,18 +59,21 @@ submit() {
     data.train="$DATA/train" data.val="$DATA/val" \
     checkpoint.storage="$RUNS" run.name="$RUN_NAME" "$@" >"$RAY_TMP/submit.log" 2>&1
 }
-# The jobs API answers a few seconds before the node's job agent does ("No available agent").
+# The jobs API answers a few seconds before the node's job agent does ("No available agent"), and on a
+# busy machine the dashboard can miss a connection while it starts.
 for try in $(seq 1 30); do
   if submit "$@"; then break; fi
-  if [ "$try" = 30 ] || ! grep -q "No available agent" "$RAY_TMP/submit.log"; then
+  if [ "$try" = 30 ] || ! grep -qE "No available agent|Failed to connect to Ray" "$RAY_TMP/submit.log"; then
     echo "[demo] error: ray job submit failed; see $RAY_TMP/submit.log" >&2; tail -3 "$RAY_TMP/submit.log" >&2; exit 1
   fi
   sleep 2
 done
 python - "$RUN_NAME" <<'PY'
 # `ray job logs -f` with the Jobs SDK: the job's output only, and the job's final state as the exit code.
-import asyncio, os, sys
+import asyncio, logging, os, sys
 from ray.job_submission import JobStatus, JobSubmissionClient
+
+logging.getLogger("ray").setLevel(logging.WARNING)  # the SDK's own "WebSocket closed" line
 
 client, job = JobSubmissionClient(os.environ["RAY_ADDRESS"]), sys.argv[1]
 

@@ -330,10 +330,15 @@ def checkpoint(tmp: str, bucket: str, total_bytes: int, reps: int, log: Callable
 
 def recovery(data: str, tmp: str, quick: bool, log: Callable = print) -> list[dict]:
     """SIGKILL one of two workers mid-run; seconds from the kill to the first resumed step, and steps lost.
-    Baseline: the same run's fresh start (its worker start to first step)."""
+    Baseline: the same run's fresh start (its worker start to first step). Then tokens/s over the `window`
+    steps after the resume against the `window` steps before it, same run: a slower run after recovery
+    (a worse placement, a cold cache, a leaked thread) would show here."""
     from raytrain.trainer import train
 
-    steps, every, kill = (16, 5, 8) if quick else (40, 10, 24)
+    window = 30 if quick else 100
+    every = 10
+    kill = window + 4  # past a full window of the first attempt, a few steps after a checkpoint
+    steps = kill + window + every
     cfg = train_cfg(data, f"{tmp}/runs", "recovery", 2, steps, 1, f"checkpoint.every_n_steps={every}",
                     "run.max_failures=1")
     marker = os.path.join(tmp, "recovery-kill")
@@ -347,6 +352,15 @@ def recovery(data: str, tmp: str, quick: bool, log: Callable = print) -> list[di
     lost = kill - resumed["resumed_step"]
     fresh_start = fresh["first_step_time"] - fresh["time"]
     respawn = resumed["time"] - killed_at
+    # Per-step rows carry rank 0's wall time; the first attempt's rows past the resumed step were dropped
+    # with the work they describe, so "before" is the window ending at the resumed step.
+    at = {r["step"]: r["time"] for r in metrics(cfg.run_uri) if "loss" in r}
+    r0 = resumed["resumed_step"]
+    tokens = window * cfg.global_batch * cfg.model.seq_len
+    before = tokens / (at[r0] - at[r0 - window])
+    after = tokens / (at[r0 + 1 + window] - at[r0 + 1])  # from the first resumed step: no restart time inside
+    log(f"  tokens/s over {window} steps: {before:,.0f} before the kill, {after:,.0f} after the resume "
+        f"(ratio {after / before:.2f})")
     log(f"  kill at step {kill} -> first resumed step after {rec_s:.1f}s (worker group replaced in {respawn:.1f}s, "
         f"then {resumed['first_step_time'] - resumed['time']:.1f}s to the first step); steps lost {lost} "
         f"(resumed at {resumed['resumed_step']}, checkpoint every {every}) | fresh start: worker start to first step "
@@ -364,7 +378,10 @@ def recovery(data: str, tmp: str, quick: bool, log: Callable = print) -> list[di
                    submit_to_first_step_s=fresh["first_step_time"] - t, attempts=attempts),
             figure("4 recovery", "steps lost (redone after the kill)", lost, "steps",
                    "checkpoint interval", every, target=f"< checkpoint interval ({every})", met=lost < every,
-                   killed_at_step=kill, resumed_step=resumed["resumed_step"])]
+                   killed_at_step=kill, resumed_step=resumed["resumed_step"]),
+            figure("4 recovery", f"tokens/s over the {window} steps after the resume", after, "tokens/s",
+                   f"the {window} steps before the kill, same run", before, target=">= 0.9x", met=after >= 0.9 * before,
+                   window_steps=window)]
 
 
 # -------------------------------------------------------------------------------------------- 5. GPU
