@@ -222,6 +222,11 @@ def train(cfg: Config, log: Callable[[str], None] = print, reader: str = "ray", 
     cfg = check_resume_compatible(cfg)
     log(f"[raytrain] run {cfg.run.name} -> {cfg.run_uri} | global batch {cfg.global_batch} sequences = "
         f"{cfg.batch.micro_batch_size} micro x {cfg.accumulation} accumulation x {cfg.scaling.num_workers} workers")
+    o = cfg.optim
+    log(f"[raytrain] data {train_split.num_samples:,} x {train_split.seq_len} tokens ({train_split.format}, "
+        f"{len(train_split.shard_uris)} shards) from {train_split.uri}"
+        + (f", val {val_split.num_samples:,}" if val_split else ", no validation")
+        + f" | {cfg.run.max_steps} steps, AdamW lr {o.lr:g} warmup {o.warmup_steps} {o.decay}, clip {o.grad_clip:g}")
     storage.write_text(storage.join(cfg.run_uri, "config.yaml"), cfg.to_yaml())
     local = init_ray(cfg)
     check_cluster(cfg, local)
