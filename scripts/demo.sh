@@ -61,9 +61,10 @@ submit() {
 }
 # The jobs API answers a few seconds before the node's job agent does ("No available agent"), and on a
 # busy machine the dashboard can miss a connection while it starts.
-for try in $(seq 1 30); do
+deadline=$((SECONDS + 300))
+while true; do
   if submit "$@"; then break; fi
-  if [ "$try" = 30 ] || ! grep -qE "No available agent|Failed to connect to Ray" "$RAY_TMP/submit.log"; then
+  if [ "$SECONDS" -ge "$deadline" ] || ! grep -qE "No available agent|Failed to connect to Ray" "$RAY_TMP/submit.log"; then
     echo "[demo] error: ray job submit failed; see $RAY_TMP/submit.log" >&2; tail -3 "$RAY_TMP/submit.log" >&2; exit 1
   fi
   sleep 2
