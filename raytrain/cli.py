@@ -173,6 +173,21 @@ def _cmd_tune(args) -> int:
 
 
 def _cmd_check(args) -> int:
+    if args.url:
+        from raytrain.serving.check import run_url_check
+
+        out = run_url_check(args.url, args.model_dir, args.data, args.samples, args.requests, args.concurrency,
+                            500.0 if args.max_p99_ms is None else args.max_p99_ms, prompt=args.prompt,
+                            max_new_tokens=args.max_new_tokens, timeout_s=args.timeout, out_dir=args.report_dir,
+                            log=(lambda *_: None) if args.json else print)
+        if args.json:
+            print(json.dumps(out, indent=1))
+        else:
+            print(f"{'launch check passed' if out['ok'] else 'launch check FAILED'}: {args.url}; reports: "
+                  f"{', '.join(out.get('reports', []))}")
+        return 0 if out["ok"] else 1
+    if not args.model_dir:
+        raise UserError("check needs MODEL_DIR (an exported model) or --url URL (a running `raytrain serve`)")
     from raytrain.release_check import run_checks
 
     out = run_checks(args.model_dir, args.expect_params, args.prompt, args.n, args.max_new_tokens,
@@ -308,16 +323,24 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num", type=int, default=1, help="number of samples")
     g.set_defaults(fn=_cmd_generate)
     ch = sub.add_parser("check", help="release gate for an exported model: load, parameter count, generation, "
-                        "latency (exit 1 on failure)")
-    ch.add_argument("model_dir", help="exported model directory (local or s3://)")
+                        "latency; with --url the HTTP launch check of a running server (exit 1 on failure)")
+    ch.add_argument("model_dir", nargs="?", default=None, help="exported model directory (local or s3://); with "
+                    "--url: the offline model to compare with (default: the served version's source)")
     ch.add_argument("--expect-params", type=int, default=None, help="default: the count recorded at export")
     ch.add_argument("--prompt", default="The")
     ch.add_argument("-n", type=int, default=20, help="timed generations for p50 / p99 latency")
     ch.add_argument("--max-new-tokens", type=int, default=16)
-    ch.add_argument("--max-p99-ms", type=float, default=None, help="fail if p99 latency exceeds this")
+    ch.add_argument("--max-p99-ms", type=float, default=None, help="fail if p99 latency exceeds this (--url: default 500)")
     ch.add_argument("--data", default=None, help="also check perplexity on this prepared val split against training's")
     ch.add_argument("--max-loss-diff", type=float, default=1e-3, help="allowed |val loss - reported| with --data")
     ch.add_argument("--json", action="store_true")
+    ch.add_argument("--url", default=None, help="HTTP launch check of a running `raytrain serve`: health, one predict, "
+                    "consistency with the offline model, load test")
+    ch.add_argument("--requests", type=int, default=200, help="--url: load-test requests")
+    ch.add_argument("--concurrency", type=int, default=8, help="--url: requests in flight at once")
+    ch.add_argument("--samples", type=int, default=8, help="--url: held-out samples for the consistency check")
+    ch.add_argument("--timeout", type=float, default=300.0, help="--url: the whole check's time bound (s)")
+    ch.add_argument("--report-dir", default="launch-check", help="--url: where launch_check.json and .md go")
     ch.set_defaults(fn=_cmd_check)
     sv = sub.add_parser("serve", help="serve a model over HTTP on Ray Serve (POST /predict, /v1/completions); "
                         "`serve promote|rollback|split --url URL` moves traffic between versions")

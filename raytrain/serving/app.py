@@ -103,8 +103,16 @@ class ModelServer:
                 for i, lp in zip(scored, self._logprobs([ids[i] for i in scored])):
                     out[i]["logprobs"] = lp
                     out[i]["tokens"] = self.tok.convert_ids_to_tokens(ids[i])
+            greedy: dict[int, list[int]] = {}
             for i in ok:
-                out[i].update(self._generate(ids[i], reqs[i]))
+                new = int(reqs[i].get("max_new_tokens", DEFAULT_NEW_TOKENS))
+                if new and float(reqs[i].get("temperature", 0.0)) == 0:
+                    greedy.setdefault(new, []).append(i)
+                else:
+                    out[i].update(self._generate(ids[i], reqs[i]))
+            for new, group in greedy.items():
+                for i, res in zip(group, self._greedy([ids[i] for i in group], new)):
+                    out[i].update(res)
         for i, o in enumerate(out):
             o["version"] = self.version
             if "error" not in o:
@@ -127,6 +135,29 @@ class ModelServer:
         lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, x[:, 1:, None].to(self.device))[..., 0].cpu()
         return [lp[j, :len(s) - 1].tolist() for j, s in enumerate(seqs)]
 
+    def _finish(self, gen: list[int], new: int) -> dict:
+        eot = self.tok.eos_token_id
+        if eot in gen:
+            gen = gen[:gen.index(eot) + 1]
+        finish = "stop" if gen and gen[-1] == eot and len(gen) < new else "length"
+        return {"continuation": self.tok.decode(gen), "completion_tokens": len(gen), "finish_reason": finish}
+
+    def _greedy(self, seqs: list[list[int]], new: int) -> list[dict]:
+        """Greedy continuations of several prompts in one generate() call (left padding; transformers derives
+        the positions from the attention mask)."""
+        import torch
+
+        longest = max(len(s) for s in seqs)
+        eot = self.tok.eos_token_id
+        x = torch.full((len(seqs), longest), eot, dtype=torch.long)
+        mask = torch.zeros_like(x)
+        for j, s in enumerate(seqs):
+            x[j, longest - len(s):] = torch.tensor(s)
+            mask[j, longest - len(s):] = 1
+        gen = self.model.generate(input_ids=x.to(self.device), attention_mask=mask.to(self.device), do_sample=False,
+                                  max_new_tokens=new, pad_token_id=eot, eos_token_id=eot)[:, longest:].tolist()
+        return [self._finish(g, new) for g in gen]
+
     def _generate(self, ids: list[int], req: dict) -> dict:
         import torch
         from transformers import set_seed
@@ -143,8 +174,7 @@ class ModelServer:
         x = torch.tensor([ids], device=self.device)
         gen = self.model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=new,
                                   pad_token_id=eot, eos_token_id=eot, **sampling)[0, len(ids):].tolist()
-        finish = "stop" if gen and gen[-1] == eot and len(gen) < new else "length"
-        return {"continuation": self.tok.decode(gen), "completion_tokens": len(gen), "finish_reason": finish}
+        return self._finish(gen, new)
 
 
 # --- ingress ------------------------------------------------------------------------------------------
