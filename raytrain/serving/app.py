@@ -26,6 +26,9 @@ from starlette.responses import JSONResponse
 APP_NAME = "raytrain"
 DEFAULT_NEW_TOKENS = 16
 LATENCY_BOUNDARIES_MS = [5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000]
+# The serving series as Prometheus sees them once observability/prometheus.yml strips Ray's `ray_` prefix.
+SERVING_METRICS = {"model_requests_total", "model_request_latency_ms", "model_generated_tokens_total",
+                   "model_traffic_fraction"}
 
 
 class RequestError(Exception):
@@ -214,13 +217,14 @@ class Router:
         self.fraction = canary_fraction if self.canary else 0.0
         self.rng = random.Random()
         self.m = _metrics()
-        self._publish_traffic()
+        self._published = False
 
     # -- traffic --
     def _serving(self) -> list[str]:
         return [self.stable] + ([self.canary] if self.canary else [])
 
     def _publish_traffic(self) -> None:
+        self._published = True
         for v in self.handles:
             share = (1 - self.fraction if v == self.stable else self.fraction if v == self.canary else 0.0)
             self.m["traffic"].set(share, tags={"version": v})
@@ -244,6 +248,10 @@ class Router:
             status, body, version = await self._dispatch(request, path)
         except RequestError as e:
             status, body = e.status, {"error": e.reason}
+        except Exception as e:  # noqa: BLE001 - a replica that died or failed: counted, answered in one line
+            status, body = 503, {"error": f"the model replica failed ({type(e).__name__}); retry"}
+        if not self._published:  # gauges set in the constructor can predate the metrics agent's first export
+            self._publish_traffic()
         latency_ms = (time.perf_counter() - t0) * 1e3
         endpoint = path if path in ("/predict", "/v1/completions", "/v1/models", "/healthz") else "other"
         self.m["requests"].inc(tags={"status": str(status), "version": version, "endpoint": endpoint})
