@@ -27,8 +27,7 @@ APP_NAME = "raytrain"
 DEFAULT_NEW_TOKENS = 16
 LATENCY_BOUNDARIES_MS = [5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000]
 # The serving series as Prometheus sees them once observability/prometheus.yml strips Ray's `ray_` prefix.
-SERVING_METRICS = {"model_requests_total", "model_request_latency_ms", "model_generated_tokens_total",
-                   "model_traffic_fraction"}
+SERVING_METRICS = {"model_requests_total", "model_request_latency_ms", "model_generated_tokens_total"}
 
 
 class RequestError(Exception):
@@ -184,7 +183,7 @@ class ModelServer:
 
 
 def _metrics():
-    from ray.util.metrics import Counter, Gauge, Histogram
+    from ray.util.metrics import Counter, Histogram
 
     return {
         "requests": Counter("model_requests_total", "HTTP requests answered, by status code, version and endpoint",
@@ -192,8 +191,6 @@ def _metrics():
         "latency": Histogram("model_request_latency_ms", "request latency at the router (ms)",
                              boundaries=LATENCY_BOUNDARIES_MS, tag_keys=("version", "endpoint")),
         "tokens": Counter("model_generated_tokens_total", "tokens generated (rate: tokens/s)", tag_keys=("version",)),
-        "traffic": Gauge("model_traffic_fraction", "share of unpinned requests sent to each version",
-                         tag_keys=("version",)),
     }
 
 
@@ -217,17 +214,10 @@ class Router:
         self.fraction = canary_fraction if self.canary else 0.0
         self.rng = random.Random()
         self.m = _metrics()
-        self._published = False
 
     # -- traffic --
     def _serving(self) -> list[str]:
         return [self.stable] + ([self.canary] if self.canary else [])
-
-    def _publish_traffic(self) -> None:
-        self._published = True
-        for v in self.handles:
-            share = (1 - self.fraction if v == self.stable else self.fraction if v == self.canary else 0.0)
-            self.m["traffic"].set(share, tags={"version": v})
 
     def _pick(self, asked: Optional[Any]) -> str:
         if asked is None or asked == APP_NAME:
@@ -243,23 +233,21 @@ class Router:
     async def __call__(self, request: Request):
         t0 = time.perf_counter()
         path = request.url.path.rstrip("/") or "/"
-        version = "none"
+        ctx = {"version": "none"}  # set once routed: a failure after that counts against the version that had it
         try:
-            status, body, version = await self._dispatch(request, path)
+            status, body = await self._dispatch(request, path, ctx)
         except RequestError as e:
             status, body = e.status, {"error": e.reason}
         except Exception as e:  # noqa: BLE001 - a replica that died or failed: counted, answered in one line
             status, body = 503, {"error": f"the model replica failed ({type(e).__name__}); retry"}
-        if not self._published:  # gauges set in the constructor can predate the metrics agent's first export
-            self._publish_traffic()
         latency_ms = (time.perf_counter() - t0) * 1e3
         endpoint = path if path in ("/predict", "/v1/completions", "/v1/models", "/healthz") else "other"
-        self.m["requests"].inc(tags={"status": str(status), "version": version, "endpoint": endpoint})
+        self.m["requests"].inc(tags={"status": str(status), "version": ctx["version"], "endpoint": endpoint})
         if status == 200 and endpoint in ("/predict", "/v1/completions"):
-            self.m["latency"].observe(latency_ms, tags={"version": version, "endpoint": endpoint})
+            self.m["latency"].observe(latency_ms, tags={"version": ctx["version"], "endpoint": endpoint})
         return JSONResponse(body, status_code=status)
 
-    async def _dispatch(self, request: Request, path: str) -> tuple[int, dict, str]:
+    async def _dispatch(self, request: Request, path: str, ctx: dict) -> tuple[int, dict]:
         routes = {"/predict": "POST", "/v1/completions": "POST", "/healthz": "GET", "/v1/models": "GET",
                   "/admin/traffic": "GET POST", "/admin/promote": "POST", "/admin/rollback": "POST"}
         if path not in routes:
@@ -268,9 +256,9 @@ class Router:
         if request.method not in routes[path].split():
             raise RequestError(405, f"{path} takes {routes[path].replace(' ', ' or ')}, not {request.method}")
         if path == "/healthz":
-            return 200, {"status": "ok", **self.traffic()}, "none"
+            return 200, {"status": "ok", **self.traffic()}
         if path == "/v1/models":
-            return 200, await self._models(), "none"
+            return 200, await self._models()
         if path.startswith("/admin/"):
             return self._admin(request, path, await self._json(request) if request.method == "POST" else {})
         body = await self._json(request)
@@ -280,10 +268,10 @@ class Router:
                 raise RequestError(422, "the body needs a non-empty string 'text', e.g. {\"text\": \"one two\"}")
             req = {"text": text, "logprobs": True,
                    "max_new_tokens": _int_field(body, "max_new_tokens", DEFAULT_NEW_TOKENS, 0, 4096)}
-            version = self._pick(body.get("version"))
+            version = ctx["version"] = self._pick(body.get("version"))
             res = await self._call(version, req)
             return 200, {k: res[k] for k in ("version", "continuation", "tokens", "logprobs", "prompt_tokens",
-                                              "completion_tokens", "cold")}, version
+                                              "completion_tokens", "cold")}
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1:
             prompt = prompt[0]
@@ -297,14 +285,14 @@ class Router:
             raise RequestError(422, f"'seed' must be an integer, got {seed!r}")
         req = {"text": prompt, "max_new_tokens": _int_field(body, "max_tokens", DEFAULT_NEW_TOKENS, 1, 4096),
                "temperature": float(temperature), "seed": seed}
-        version = self._pick(body.get("model"))
+        version = ctx["version"] = self._pick(body.get("model"))
         res = await self._call(version, req)
         return 200, {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
                      "model": version, "version": version,
                      "choices": [{"index": 0, "text": res["continuation"], "logprobs": None,
                                   "finish_reason": res["finish_reason"]}],
                      "usage": {"prompt_tokens": res["prompt_tokens"], "completion_tokens": res["completion_tokens"],
-                               "total_tokens": res["prompt_tokens"] + res["completion_tokens"]}}, version
+                               "total_tokens": res["prompt_tokens"] + res["completion_tokens"]}}
 
     async def _json(self, request: Request) -> dict:
         ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
@@ -333,7 +321,7 @@ class Router:
             {**i, "object": "model", "owned_by": "raytrain", "role": roles[i["version"]],
              "traffic": (1 - self.fraction) if i["version"] == self.stable else self.fraction} for i in infos]}
 
-    def _admin(self, request: Request, path: str, body: dict) -> tuple[int, dict, str]:
+    def _admin(self, request: Request, path: str, body: dict) -> tuple[int, dict]:
         from ray._private.authentication.authentication_utils import is_token_auth_enabled, validate_request_token
 
         # Whoever may submit Ray jobs may move traffic: the same token, when the cluster uses one.
@@ -355,8 +343,7 @@ class Router:
             if not self.canary:
                 raise RequestError(409, "no canary to roll back")
             self.canary, self.fraction = None, 0.0
-        self._publish_traffic()
-        return 200, self.traffic(), "none"
+        return 200, self.traffic()
 
 
 def build(stable_uri: str, stable_version: str, canary_uri: Optional[str] = None, canary_version: Optional[str] = None,
