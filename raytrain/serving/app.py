@@ -324,10 +324,15 @@ class Router:
     def _admin(self, request: Request, path: str, body: dict) -> tuple[int, dict]:
         from ray._private.authentication.authentication_utils import is_token_auth_enabled, validate_request_token
 
-        # Whoever may submit Ray jobs may move traffic: the same token, when the cluster uses one.
-        if is_token_auth_enabled() and not validate_request_token(request.headers.get("authorization", "")):
-            raise RequestError(401, "traffic changes need the Ray auth token: Authorization: Bearer <token> "
-                               "(`raytrain serve promote|rollback|split` sends it)")
+        # Whoever may submit Ray jobs may move traffic: the same token, when the cluster uses one; without
+        # token authentication only this machine may.
+        if is_token_auth_enabled():
+            if not validate_request_token(request.headers.get("authorization", "")):
+                raise RequestError(401, "traffic changes need the Ray auth token: Authorization: Bearer <token> "
+                                   "(`raytrain serve promote|rollback|split` sends it)")
+        elif getattr(request.client, "host", None) not in ("127.0.0.1", "::1", "localhost"):
+            raise RequestError(403, "Ray token authentication is off: traffic changes are accepted from the "
+                               "serving machine only (or start Ray with RAY_AUTH_MODE=token)")
         if path == "/admin/traffic" and request.method == "POST":
             f = body.get("canary_fraction")
             if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f <= 1:

@@ -116,7 +116,7 @@ def serve_forever(model: str, port: int = 8000, host: str = "127.0.0.1", version
 
 def traffic(url: str, action: str, fraction: Optional[float] = None, timeout_s: float = 30) -> dict:
     """split / promote / rollback on a running `raytrain serve`; returns the router's new traffic state."""
-    from ray._private.authentication.http_token_authentication import get_auth_headers_if_auth_enabled
+    from ray._raylet import AuthenticationTokenLoader
 
     if action == "split":
         if fraction is None:
@@ -124,7 +124,11 @@ def traffic(url: str, action: str, fraction: Optional[float] = None, timeout_s: 
         path, body = "/admin/traffic", {"canary_fraction": fraction}
     else:
         path, body = f"/admin/{action}", {}
-    headers = {"Content-Type": "application/json", **get_auth_headers_if_auth_enabled({})}
+    # The token whenever this machine has one (RAY_AUTH_TOKEN, ~/.ray/auth_token): a local Ray turns token
+    # authentication on by itself when a token exists, whether or not RAY_AUTH_MODE is set here.
+    loader = AuthenticationTokenLoader.instance()
+    token = loader.get_raw_token(ignore_auth_mode=True) if loader.has_token(ignore_auth_mode=True) else None
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
     req = urllib.request.Request(url.rstrip("/") + path, data=json.dumps(body).encode(), headers=headers,
                                  method="POST")
     try:
