@@ -238,8 +238,8 @@ class Router:
             status, body = await self._dispatch(request, path, ctx)
         except RequestError as e:
             status, body = e.status, {"error": e.reason}
-        except Exception as e:  # noqa: BLE001 - a replica that died or failed: counted, answered in one line
-            status, body = 503, {"error": f"the model replica failed ({type(e).__name__}); retry"}
+        except Exception as e:  # noqa: BLE001 - e.g. a replica that died: counted, answered in one line
+            status, body = 503, {"error": f"the request failed in the server ({type(e).__name__}); retry"}
         latency_ms = (time.perf_counter() - t0) * 1e3
         endpoint = path if path in ("/predict", "/v1/completions", "/v1/models", "/healthz") else "other"
         self.m["requests"].inc(tags={"status": str(status), "version": ctx["version"], "endpoint": endpoint})
@@ -311,7 +311,8 @@ class Router:
         res = await self.handles[version].remote(req)
         if res.get("error"):
             raise RequestError(res["status"], res["error"])
-        self.m["tokens"].inc(res["completion_tokens"], tags={"version": version}) if res["completion_tokens"] else None
+        if res["completion_tokens"]:
+            self.m["tokens"].inc(res["completion_tokens"], tags={"version": version})
         return res
 
     async def _models(self) -> dict:
