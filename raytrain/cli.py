@@ -1,4 +1,4 @@
-"""Command line: `raytrain train | prepare | data | ckpt | plan | export | eval | generate | check | tune | report | cost | config`. Thin: parse, call the component, print one-line errors."""
+"""Command line: `raytrain train | prepare | data | ckpt | plan | export | eval | generate | check | serve | tune | report | cost | config`. Thin: parse, call the component, print one-line errors."""
 
 from __future__ import annotations
 
@@ -173,6 +173,21 @@ def _cmd_tune(args) -> int:
 
 
 def _cmd_check(args) -> int:
+    if args.url:
+        from raytrain.serving.check import run_url_check
+
+        out = run_url_check(args.url, args.model_dir, args.data, args.samples, args.requests, args.concurrency,
+                            500.0 if args.max_p99_ms is None else args.max_p99_ms, prompt=args.prompt,
+                            max_new_tokens=args.max_new_tokens, timeout_s=args.timeout, out_dir=args.report_dir,
+                            log=(lambda *_: None) if args.json else print)
+        if args.json:
+            print(json.dumps(out, indent=1))
+        else:
+            print(f"{'launch check passed' if out['ok'] else 'launch check FAILED'}: {args.url}; reports: "
+                  f"{', '.join(out.get('reports', []))}")
+        return 0 if out["ok"] else 1
+    if not args.model_dir:
+        raise UserError("check needs MODEL_DIR (an exported model) or --url URL (a running `raytrain serve`)")
     from raytrain.release_check import run_checks
 
     out = run_checks(args.model_dir, args.expect_params, args.prompt, args.n, args.max_new_tokens,
@@ -184,6 +199,22 @@ def _cmd_check(args) -> int:
             print(f"{'PASS' if c['ok'] else 'FAIL'}  {c['name']:10} {c['detail']}")
         print(f"{'release check passed' if out['ok'] else 'release check FAILED'}: {args.model_dir}")
     return 0 if out["ok"] else 1
+
+
+def _cmd_serve(args) -> int:
+    from raytrain.serving.run import serve_forever, traffic
+
+    if args.model in ("promote", "rollback", "split"):
+        if not args.url:
+            raise UserError(f"serve {args.model} needs --url of the running server, e.g. --url http://127.0.0.1:8000")
+        state = traffic(args.url, args.model, args.canary_fraction)
+        print(f"stable {state['stable']}" + (f", canary {state['canary']} at {state['canary_fraction']:.0%}"
+                                             if state["canary"] else ", no canary"))
+        return 0
+    return serve_forever(args.model, port=args.port, host=args.host, version=args.version, canary=args.canary,
+                         canary_version=args.canary_version, canary_fraction=args.canary_fraction or 0.0,
+                         replicas=args.replicas, max_replicas=args.max_replicas, num_cpus=args.cpus_per_replica,
+                         max_batch_size=args.max_batch_size, metrics_port=args.metrics_port, ready_file=args.ready_file)
 
 
 def _cmd_report(args) -> int:
@@ -292,17 +323,45 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num", type=int, default=1, help="number of samples")
     g.set_defaults(fn=_cmd_generate)
     ch = sub.add_parser("check", help="release gate for an exported model: load, parameter count, generation, "
-                        "latency (exit 1 on failure)")
-    ch.add_argument("model_dir", help="exported model directory (local or s3://)")
+                        "latency; with --url the HTTP launch check of a running server (exit 1 on failure)")
+    ch.add_argument("model_dir", nargs="?", default=None, help="exported model directory (local or s3://); with "
+                    "--url: the offline model to compare with (default: the served version's source)")
     ch.add_argument("--expect-params", type=int, default=None, help="default: the count recorded at export")
     ch.add_argument("--prompt", default="The")
     ch.add_argument("-n", type=int, default=20, help="timed generations for p50 / p99 latency")
     ch.add_argument("--max-new-tokens", type=int, default=16)
-    ch.add_argument("--max-p99-ms", type=float, default=None, help="fail if p99 latency exceeds this")
+    ch.add_argument("--max-p99-ms", type=float, default=None, help="fail if p99 latency exceeds this (--url: default 500)")
     ch.add_argument("--data", default=None, help="also check perplexity on this prepared val split against training's")
     ch.add_argument("--max-loss-diff", type=float, default=1e-3, help="allowed |val loss - reported| with --data")
     ch.add_argument("--json", action="store_true")
+    ch.add_argument("--url", default=None, help="HTTP launch check of a running `raytrain serve`: health, one predict, "
+                    "consistency with the offline model, load test")
+    ch.add_argument("--requests", type=int, default=200, help="--url: load-test requests")
+    ch.add_argument("--concurrency", type=int, default=8, help="--url: requests in flight at once")
+    ch.add_argument("--samples", type=int, default=8, help="--url: held-out samples for the consistency check")
+    ch.add_argument("--timeout", type=float, default=300.0, help="--url: the whole check's time bound (s)")
+    ch.add_argument("--report-dir", default="launch-check", help="--url: where launch_check.json and .md go")
     ch.set_defaults(fn=_cmd_check)
+    sv = sub.add_parser("serve", help="serve a model over HTTP on Ray Serve (POST /predict, /v1/completions); "
+                        "`serve promote|rollback|split --url URL` moves traffic between versions")
+    sv.add_argument("model", help="exported model directory (local or s3://), a run directory (its newest complete "
+                    "checkpoint, exported on the fly), RUN@TAG (a tagged version), or promote / rollback / split")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    sv.add_argument("--version", default=None, help="version name in responses (default: the tag, the directory's "
+                    "name or step-N)")
+    sv.add_argument("--canary", default=None, help="a second model served beside the first (same forms as MODEL)")
+    sv.add_argument("--canary-version", default=None, help="the canary's version name")
+    sv.add_argument("--canary-fraction", type=float, default=None, help="share of requests the canary answers "
+                    "(0..1); with split: the new share")
+    sv.add_argument("--url", default=None, help="promote / rollback / split: the running server")
+    sv.add_argument("--replicas", type=int, default=1, help="model replicas per version (autoscaling minimum)")
+    sv.add_argument("--max-replicas", type=int, default=None, help="autoscale up to this many replicas per version")
+    sv.add_argument("--cpus-per-replica", type=float, default=1)
+    sv.add_argument("--max-batch-size", type=int, default=8, help="Serve dynamic batching: requests per batch")
+    sv.add_argument("--metrics-port", type=int, default=None, help="local Ray only: Prometheus metrics on this port")
+    sv.add_argument("--ready-file", default=None, help="write {url, stable, canary} here once serving (for scripts)")
+    sv.set_defaults(fn=_cmd_serve)
     pl = sub.add_parser("plan", help="capacity plan: memory per GPU for each ZeRO stage, a recommended setup, "
                         "time and cost for a token budget (docs/PLANNING.md)")
     pl.add_argument("--model", required=True, help="a size (124m, 350m, 1b, 7b, 10b, 13b, 70b, 8x7b, ...), a recipe "

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from raytrain.cli import main
+from raytrain.serving.app import SERVING_METRICS
 from raytrain.worker.metrics import CATALOGUE
 from tests.test_prometheus import ensure_prometheus
 
@@ -17,7 +18,9 @@ OBS = Path(__file__).resolve().parent.parent / "observability"
 
 
 def _metric_names(expr: str) -> set[str]:
-    return set(re.findall(r"\braytrain_[a-zA-Z0-9_]*", expr))
+    names = set(re.findall(r"\b(?:raytrain|model)_[a-zA-Z0-9_]*", expr))
+    # A histogram is queried through its _bucket series.
+    return {n[:-len("_bucket")] if n[:-len("_bucket")] in SERVING_METRICS else n for n in names}
 
 
 def test_alert_rules_pass_promtool_and_name_exported_metrics():
@@ -37,13 +40,31 @@ def test_alert_rules_pass_promtool_and_name_exported_metrics():
     assert "< 1e-5" in exprs["RaytrainGradNormLow"] and ">= 0.95" in exprs["RaytrainMemoryHigh"]
 
 
+def test_serving_alert_rules_pass_promtool_with_the_launch_thresholds():
+    _, promtool = ensure_prometheus()
+    out = subprocess.run([promtool, "check", "rules", str(OBS / "serving-alerts.yml")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "SUCCESS: 3 rules found" in out.stdout
+    import yaml
+
+    rules = {r["alert"]: r for r in yaml.safe_load((OBS / "serving-alerts.yml").read_text())["groups"][0]["rules"]}
+    for r in rules.values():
+        names = _metric_names(r["expr"])
+        assert names and names <= SERVING_METRICS, (r["alert"], names - SERVING_METRICS)
+    # QPS drop of half against an hour earlier; errors above 1 % for 10 min; P99 above 500 ms for 10 min.
+    assert "<= 0.5 *" in rules["ModelQpsDrop"]["expr"] and "offset 1h" in rules["ModelQpsDrop"]["expr"]
+    assert "> 0.01" in rules["ModelErrorRateHigh"]["expr"] and rules["ModelErrorRateHigh"]["for"] == "10m"
+    assert "histogram_quantile(0.99" in rules["ModelLatencyP99High"]["expr"]
+    assert "> 500" in rules["ModelLatencyP99High"]["expr"] and rules["ModelLatencyP99High"]["for"] == "10m"
+
+
 def test_scrape_config_is_valid_and_strips_rays_prefix(tmp_path):
     _, promtool = ensure_prometheus()
     # promtool resolves rule_files relative to the config, and file_sd files need not exist.
     out = subprocess.run([promtool, "check", "config", str(OBS / "prometheus.yml")], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
     text = (OBS / "prometheus.yml").read_text()
-    assert 'regex: "ray_(raytrain_.*)"' in text
+    assert 'regex: "ray_(raytrain_.*)"' in text and 'regex: "ray_(model_.*)"' in text
 
 
 def test_dashboard_panels_query_exported_metrics():
@@ -51,16 +72,20 @@ def test_dashboard_panels_query_exported_metrics():
     titles = [p["title"] for p in dash["panels"]]
     for want in ("Loss", "Perplexity", "Tokens/s", "MFU", "Gradient norm", "Memory", "Restarts"):
         assert any(t.startswith(want) for t in titles), want
+    assert "Serving (raytrain serve)" in [p["title"] for p in dash["panels"] if p["type"] == "row"]
     used = set()
+    exported = set(CATALOGUE) | SERVING_METRICS
     for p in dash["panels"]:
+        if p["type"] == "row":
+            continue
         assert p["targets"], p["title"]
         for t in p["targets"]:
             names = _metric_names(t["expr"])
             assert names, (p["title"], t["expr"])
-            assert names <= set(CATALOGUE), (p["title"], names - set(CATALOGUE))
+            assert names <= exported, (p["title"], names - exported)
             used |= names
     # Every exported series is on the dashboard somewhere.
-    assert used == set(CATALOGUE), set(CATALOGUE) - used
+    assert used == exported, exported - used
 
 
 def _fake_run(run: Path) -> None:

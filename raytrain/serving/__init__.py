@@ -1,0 +1,1 @@
+"""Serving: `raytrain serve` on Ray Serve (source, app, run) and the HTTP launch check (check)."""

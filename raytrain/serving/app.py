@@ -1,0 +1,395 @@
+"""The Ray Serve application of `raytrain serve` (replica side).
+
+A `Router` ingress parses HTTP, answers bad input with a 4xx and a one-line reason, splits traffic
+between a stable and an optional canary version, and records per-version metrics; one `ModelServer`
+deployment per version holds the model and batches requests (`@serve.batch`). Both versions stay up
+while traffic moves between them, so a canary change, a promotion or a rollback never fails a request.
+
+The router is one replica (it only parses and dispatches; the model deployments are what scale), so the
+traffic split lives in its memory and changes at once for every request after an admin call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import time
+import uuid
+from typing import Any, Optional
+
+from ray import serve
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+APP_NAME = "raytrain"
+DEFAULT_NEW_TOKENS = 16
+LATENCY_BOUNDARIES_MS = [5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000]
+# The serving series as Prometheus sees them once observability/prometheus.yml strips Ray's `ray_` prefix.
+SERVING_METRICS = {"model_requests_total", "model_request_latency_ms", "model_generated_tokens_total"}
+
+
+class RequestError(Exception):
+    """A client mistake: answered with `status` and the one-line `reason`."""
+
+    def __init__(self, status: int, reason: str):
+        super().__init__(reason)
+        self.status, self.reason = status, reason
+
+
+# --- model replicas -----------------------------------------------------------------------------------
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 1}, max_ongoing_requests=64)
+class ModelServer:
+    """One version of the model: log-probabilities of the input and a continuation, batched."""
+
+    def __init__(self, uri: str, version: str, max_batch_size: int = 8, batch_wait_timeout_s: float = 0.005):
+        import ray
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from raytrain.export import EXPORT_META
+        from raytrain.model import local_model_dir, param_count
+
+        cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1)
+        torch.set_num_threads(max(1, int(cpus)))  # as scheduled: replicas must not fight over the node's cores
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        local = local_model_dir(uri)
+        self.model = AutoModelForCausalLM.from_pretrained(local, dtype=torch.float32).eval().to(self.device)
+        self.tok = AutoTokenizer.from_pretrained(local)
+        c = self.model.config
+        self.context = getattr(c, "n_positions", None) or getattr(c, "max_position_embeddings", None) or 2048
+        meta_path = os.path.join(local, EXPORT_META)
+        meta = json.load(open(meta_path)) if os.path.exists(meta_path) else {}
+        self.info_ = {"id": version, "version": version, "params": param_count(self.model), "step": meta.get("step"),
+                      "source": uri, "source_checkpoint": meta.get("source_checkpoint"), "context": self.context,
+                      "device": self.device}
+        self.version = version
+        self.served = 0
+        self.handle_batch.set_max_batch_size(max_batch_size)
+        self.handle_batch.set_batch_wait_timeout_s(batch_wait_timeout_s)
+
+    def info(self) -> dict:
+        return {**self.info_, "served_requests": self.served}
+
+    async def __call__(self, req: dict) -> dict:
+        return await self.handle_batch(req)
+
+    @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.005)
+    async def handle_batch(self, reqs: list[dict]) -> list[dict]:
+        # The forward passes run off the event loop so the next batch can queue meanwhile.
+        return await asyncio.to_thread(self._run, reqs)
+
+    def _run(self, reqs: list[dict]) -> list[dict]:
+        import torch
+
+        out: list[dict] = []
+        ids = []
+        for r in reqs:
+            enc = self.tok(r["text"])["input_ids"]
+            n, new = len(enc), int(r.get("max_new_tokens", DEFAULT_NEW_TOKENS))
+            if n == 0:
+                out.append({"status": 422, "error": "the text has no tokens; send some text"})
+            elif n + new > self.context:
+                out.append({"status": 413, "error": f"input of {n} tokens + {new} new tokens exceeds the model's "
+                            f"context of {self.context} tokens; shorten the text or ask for fewer tokens"})
+            else:
+                out.append({})
+            ids.append(enc)
+        ok = [i for i, o in enumerate(out) if not o]
+        with torch.no_grad():
+            scored = [i for i in ok if reqs[i].get("logprobs")]
+            if scored:
+                for i, lp in zip(scored, self._logprobs([ids[i] for i in scored])):
+                    out[i]["logprobs"] = lp
+                    out[i]["tokens"] = self.tok.convert_ids_to_tokens(ids[i])
+            greedy: dict[int, list[int]] = {}
+            for i in ok:
+                new = int(reqs[i].get("max_new_tokens", DEFAULT_NEW_TOKENS))
+                if new and float(reqs[i].get("temperature", 0.0)) == 0:
+                    greedy.setdefault(new, []).append(i)
+                else:
+                    out[i].update(self._generate(ids[i], reqs[i]))
+            for new, group in greedy.items():
+                for i, res in zip(group, self._greedy([ids[i] for i in group], new)):
+                    out[i].update(res)
+        for i, o in enumerate(out):
+            o["version"] = self.version
+            if "error" not in o:
+                o.update(status=200, prompt_tokens=len(ids[i]), cold=self.served == 0)
+                self.served += 1
+        return out
+
+    def _logprobs(self, seqs: list[list[int]]) -> list[list[float]]:
+        """log p(token_i | tokens_<i) for i >= 1, one padded forward for the whole batch (right padding:
+        causal attention keeps the padding out of every real position)."""
+        import torch
+
+        longest = max(len(s) for s in seqs)
+        x = torch.zeros(len(seqs), longest, dtype=torch.long)
+        mask = torch.zeros_like(x)
+        for j, s in enumerate(seqs):
+            x[j, :len(s)] = torch.tensor(s)
+            mask[j, :len(s)] = 1
+        logits = self.model(input_ids=x.to(self.device), attention_mask=mask.to(self.device)).logits.float()
+        lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, x[:, 1:, None].to(self.device))[..., 0].cpu()
+        return [lp[j, :len(s) - 1].tolist() for j, s in enumerate(seqs)]
+
+    def _finish(self, gen: list[int], new: int) -> dict:
+        eot = self.tok.eos_token_id
+        if eot in gen:
+            gen = gen[:gen.index(eot) + 1]
+        finish = "stop" if gen and gen[-1] == eot and len(gen) < new else "length"
+        return {"continuation": self.tok.decode(gen), "completion_tokens": len(gen), "finish_reason": finish}
+
+    def _greedy(self, seqs: list[list[int]], new: int) -> list[dict]:
+        """Greedy continuations of several prompts in one generate() call (left padding; transformers derives
+        the positions from the attention mask)."""
+        import torch
+
+        longest = max(len(s) for s in seqs)
+        eot = self.tok.eos_token_id
+        x = torch.full((len(seqs), longest), eot, dtype=torch.long)
+        mask = torch.zeros_like(x)
+        for j, s in enumerate(seqs):
+            x[j, longest - len(s):] = torch.tensor(s)
+            mask[j, longest - len(s):] = 1
+        gen = self.model.generate(input_ids=x.to(self.device), attention_mask=mask.to(self.device), do_sample=False,
+                                  max_new_tokens=new, pad_token_id=eot, eos_token_id=eot)[:, longest:].tolist()
+        return [self._finish(g, new) for g in gen]
+
+    def _generate(self, ids: list[int], req: dict) -> dict:
+        import torch
+        from transformers import set_seed
+
+        new = int(req.get("max_new_tokens", DEFAULT_NEW_TOKENS))
+        if new == 0:
+            return {"continuation": "", "completion_tokens": 0, "finish_reason": "length"}
+        temperature = float(req.get("temperature", 0.0))
+        # Per request, not per batch: a seeded request answers the same whatever it was batched with.
+        if req.get("seed") is not None:
+            set_seed(int(req["seed"]))
+        eot = self.tok.eos_token_id
+        sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
+        x = torch.tensor([ids], device=self.device)
+        gen = self.model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=new,
+                                  pad_token_id=eot, eos_token_id=eot, **sampling)[0, len(ids):].tolist()
+        return self._finish(gen, new)
+
+
+# --- ingress ------------------------------------------------------------------------------------------
+
+
+def _metrics():
+    from ray.util.metrics import Counter, Histogram
+
+    return {
+        "requests": Counter("model_requests_total", "HTTP requests answered, by status code, version and endpoint",
+                            tag_keys=("status", "version", "endpoint")),
+        "latency": Histogram("model_request_latency_ms", "request latency at the router (ms)",
+                             boundaries=LATENCY_BOUNDARIES_MS, tag_keys=("version", "endpoint")),
+        "tokens": Counter("model_generated_tokens_total", "tokens generated (rate: tokens/s)", tag_keys=("version",)),
+    }
+
+
+def _int_field(body: dict, key: str, default: int, lo: int, hi: int) -> int:
+    v = body.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise RequestError(422, f"'{key}' must be an integer in [{lo}, {hi}], got {v!r}")
+    return v
+
+
+@serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=512)
+class Router:
+    def __init__(self, stable, stable_version: str, canary=None, canary_version: Optional[str] = None,
+                 canary_fraction: float = 0.0):
+        self.handles = {stable_version: stable}
+        if canary is not None:
+            if canary_version == stable_version:
+                raise ValueError(f"the canary's version name {canary_version!r} is the stable one's; name it apart")
+            self.handles[canary_version] = canary
+        self.stable, self.canary = stable_version, canary_version if canary is not None else None
+        self.fraction = canary_fraction if self.canary else 0.0
+        self.rng = random.Random()
+        self.m = _metrics()
+
+    # -- traffic --
+    def _serving(self) -> list[str]:
+        return [self.stable] + ([self.canary] if self.canary else [])
+
+    def _pick(self, asked: Optional[Any]) -> str:
+        if asked is None or asked == APP_NAME:
+            return self.canary if self.canary and self.rng.random() < self.fraction else self.stable
+        if asked not in self._serving():
+            raise RequestError(404, f"unknown version {asked!r}; serving: {', '.join(self._serving())}")
+        return asked
+
+    def traffic(self) -> dict:
+        return {"stable": self.stable, "canary": self.canary, "canary_fraction": self.fraction}
+
+    # -- HTTP --
+    async def __call__(self, request: Request):
+        t0 = time.perf_counter()
+        path = request.url.path.rstrip("/") or "/"
+        ctx = {"version": "none"}  # set once routed: a failure after that counts against the version that had it
+        try:
+            status, body = await self._dispatch(request, path, ctx)
+        except RequestError as e:
+            status, body = e.status, {"error": e.reason}
+        except Exception as e:  # noqa: BLE001 - e.g. a replica that died: counted, answered in one line
+            status, body = 503, {"error": f"the request failed in the server ({type(e).__name__}); retry"}
+        latency_ms = (time.perf_counter() - t0) * 1e3
+        endpoint = path if path in ("/predict", "/v1/completions", "/v1/models", "/healthz") else "other"
+        self.m["requests"].inc(tags={"status": str(status), "version": ctx["version"], "endpoint": endpoint})
+        if status == 200 and endpoint in ("/predict", "/v1/completions"):
+            self.m["latency"].observe(latency_ms, tags={"version": ctx["version"], "endpoint": endpoint})
+        return JSONResponse(body, status_code=status)
+
+    async def _dispatch(self, request: Request, path: str, ctx: dict) -> tuple[int, dict]:
+        routes = {"/predict": "POST", "/v1/completions": "POST", "/healthz": "GET", "/v1/models": "GET",
+                  "/admin/traffic": "GET POST", "/admin/promote": "POST", "/admin/rollback": "POST"}
+        if path not in routes:
+            raise RequestError(404, f"no endpoint {path}; try POST /predict, POST /v1/completions, GET /healthz, "
+                               f"GET /v1/models")
+        if request.method not in routes[path].split():
+            raise RequestError(405, f"{path} takes {routes[path].replace(' ', ' or ')}, not {request.method}")
+        if path == "/healthz":
+            return 200, {"status": "ok", **self.traffic()}
+        if path == "/v1/models":
+            return 200, await self._models()
+        if path.startswith("/admin/"):
+            return self._admin(request, path, await self._json(request) if request.method == "POST" else {})
+        body = await self._json(request)
+        if path == "/predict":
+            text = body.get("text")
+            if not isinstance(text, str) or not text:
+                raise RequestError(422, "the body needs a non-empty string 'text', e.g. {\"text\": \"one two\"}")
+            req = {"text": text, "logprobs": True,
+                   "max_new_tokens": _int_field(body, "max_new_tokens", DEFAULT_NEW_TOKENS, 0, 4096)}
+            version = ctx["version"] = self._pick(body.get("version"))
+            res = await self._call(version, req)
+            return 200, {k: res[k] for k in ("version", "continuation", "tokens", "logprobs", "prompt_tokens",
+                                              "completion_tokens", "cold")}
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        if not isinstance(prompt, str) or not prompt:
+            raise RequestError(422, "the body needs a non-empty string 'prompt' (one prompt per request)")
+        temperature = body.get("temperature", 1.0)
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature <= 10:
+            raise RequestError(422, f"'temperature' must be a number in [0, 10], got {temperature!r}")
+        seed = body.get("seed")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise RequestError(422, f"'seed' must be an integer, got {seed!r}")
+        req = {"text": prompt, "max_new_tokens": _int_field(body, "max_tokens", DEFAULT_NEW_TOKENS, 1, 4096),
+               "temperature": float(temperature), "seed": seed}
+        version = ctx["version"] = self._pick(body.get("model"))
+        res = await self._call(version, req)
+        return 200, {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
+                     "model": version, "version": version,
+                     "choices": [{"index": 0, "text": res["continuation"], "logprobs": None,
+                                  "finish_reason": res["finish_reason"]}],
+                     "usage": {"prompt_tokens": res["prompt_tokens"], "completion_tokens": res["completion_tokens"],
+                               "total_tokens": res["prompt_tokens"] + res["completion_tokens"]}}
+
+    async def _json(self, request: Request) -> dict:
+        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if ctype != "application/json":
+            raise RequestError(415, f"send the body as JSON with Content-Type: application/json (got {ctype or 'none'!r})")
+        raw = await request.body()
+        try:
+            body = json.loads(raw) if raw.strip() else {}
+        except (ValueError, UnicodeDecodeError) as e:
+            raise RequestError(400, f"the body is not valid JSON ({str(e).splitlines()[0]})") from None
+        if not isinstance(body, dict):
+            raise RequestError(400, f"the body must be a JSON object, got {type(body).__name__}")
+        return body
+
+    async def _call(self, version: str, req: dict) -> dict:
+        res = await self.handles[version].remote(req)
+        if res.get("error"):
+            raise RequestError(res["status"], res["error"])
+        if res["completion_tokens"]:
+            self.m["tokens"].inc(res["completion_tokens"], tags={"version": version})
+        return res
+
+    async def _models(self) -> dict:
+        roles = {self.stable: "stable", **({self.canary: "canary"} if self.canary else {})}
+        infos = await asyncio.gather(*(self.handles[v].info.remote() for v in self._serving()))
+        return {"object": "list", "data": [
+            {**i, "object": "model", "owned_by": "raytrain", "role": roles[i["version"]],
+             "traffic": (1 - self.fraction) if i["version"] == self.stable else self.fraction} for i in infos]}
+
+    def _admin(self, request: Request, path: str, body: dict) -> tuple[int, dict]:
+        from ray._private.authentication.authentication_utils import is_token_auth_enabled, validate_request_token
+
+        # Whoever may submit Ray jobs may move traffic: the same token, when the cluster uses one; without
+        # token authentication only this machine may.
+        if is_token_auth_enabled():
+            if not validate_request_token(request.headers.get("authorization", "")):
+                raise RequestError(401, "traffic changes need the Ray auth token: Authorization: Bearer <token> "
+                                   "(`raytrain serve promote|rollback|split` sends it)")
+        elif getattr(request.client, "host", None) not in ("127.0.0.1", "::1", "localhost"):
+            raise RequestError(403, "Ray token authentication is off: traffic changes are accepted from the "
+                               "serving machine only (or start Ray with RAY_AUTH_MODE=token)")
+        if path == "/admin/traffic" and request.method == "POST":
+            f = body.get("canary_fraction")
+            if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f <= 1:
+                raise RequestError(422, f"'canary_fraction' must be a number in [0, 1], got {f!r}")
+            if not self.canary:
+                raise RequestError(409, "no canary is deployed; start one with `raytrain serve MODEL --canary MODEL2`")
+            self.fraction = float(f)
+        elif path == "/admin/promote":
+            if not self.canary:
+                raise RequestError(409, "no canary to promote")
+            self.stable, self.canary, self.fraction = self.canary, None, 0.0
+        elif path == "/admin/rollback":
+            if not self.canary:
+                raise RequestError(409, "no canary to roll back")
+            self.canary, self.fraction = None, 0.0
+        return 200, self.traffic()
+
+
+def build(stable_uri: str, stable_version: str, canary_uri: Optional[str] = None, canary_version: Optional[str] = None,
+          canary_fraction: float = 0.0, replicas: int = 1, max_replicas: Optional[int] = None, num_cpus: float = 1,
+          num_gpus: float = 0, max_batch_size: int = 8, batch_wait_timeout_s: float = 0.005):
+    """The Serve application: a router and one model deployment per version."""
+    scale = ({"autoscaling_config": {"min_replicas": replicas, "max_replicas": max_replicas,
+                                     "target_ongoing_requests": max_batch_size}}
+             if max_replicas and max_replicas > replicas else {"num_replicas": replicas})
+    opts = {"ray_actor_options": {"num_cpus": num_cpus, "num_gpus": num_gpus}, **scale}
+    stable = ModelServer.options(name="model", **opts).bind(stable_uri, stable_version, max_batch_size,
+                                                            batch_wait_timeout_s)
+    canary = None
+    if canary_uri:
+        canary = ModelServer.options(name="canary", **opts).bind(canary_uri, canary_version, max_batch_size,
+                                                                 batch_wait_timeout_s)
+    return Router.bind(stable, stable_version, canary, canary_version, canary_fraction)
+
+
+def app_builder(args: dict):
+    """For Serve config files (`serve deploy`, cluster/serve.yaml): `import_path: raytrain.serving.app:app_builder`.
+
+    args: model (exported dir, run or RUN@TAG), version, canary, canary_version, canary_fraction, replicas,
+    max_replicas, num_cpus, num_gpus (default: 1 when the cluster has GPUs), max_batch_size, batch_wait_timeout_s.
+    """
+    import ray
+
+    from raytrain.serving.source import resolve
+
+    known = {"model", "version", "canary", "canary_version", "canary_fraction", "replicas", "max_replicas",
+             "num_cpus", "num_gpus", "max_batch_size", "batch_wait_timeout_s"}
+    unknown = set(args) - known
+    if unknown or "model" not in args:
+        raise ValueError(f"raytrain serve args: unknown {sorted(unknown)}, required 'model'; known: {sorted(known)}")
+    stable = resolve(args["model"], args.get("version"))
+    canary = resolve(args["canary"], args.get("canary_version")) if args.get("canary") else None
+    gpus = args.get("num_gpus")
+    if gpus is None:
+        gpus = 1 if ray.is_initialized() and ray.cluster_resources().get("GPU", 0) >= 1 else 0
+    return build(stable.uri, stable.version, canary.uri if canary else None, canary.version if canary else None,
+                 float(args.get("canary_fraction", 0.0)), int(args.get("replicas", 1)), args.get("max_replicas"),
+                 float(args.get("num_cpus", 1)), float(gpus), int(args.get("max_batch_size", 8)),
+                 float(args.get("batch_wait_timeout_s", 0.005)))

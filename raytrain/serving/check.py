@@ -1,0 +1,243 @@
+"""`raytrain check --url URL`: the HTTP launch check of a running `raytrain serve`, bounded in requests and time.
+
+Health; one predict (the cold request, when it is the replica's first); consistency (served per-token
+log-probabilities of K held-out samples against the offline model's, through the offline evaluation's
+own loss function); a load test of N requests at concurrency C (threads, one keep-alive connection
+each) reporting warm latency P50 / P95 / P99, throughput and errors. Writes launch_check.json and
+launch_check.md. Passes only with no failed request, consistency within tolerance and P99 within the bar.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import threading
+import time
+import urllib.parse
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Optional
+
+import numpy as np
+
+FALLBACK_TEXTS = ["The quick brown fox jumps over the lazy dog.", "one two three four five six",
+                  "Ray Serve answers HTTP requests.", "A short sentence to score."]
+
+
+class Client:
+    """One keep-alive HTTP connection (per thread in the load test)."""
+
+    def __init__(self, url: str, timeout_s: float):
+        u = urllib.parse.urlsplit(url)
+        if u.scheme not in ("http", "https") or not u.hostname:
+            from raytrain.errors import UserError
+
+            raise UserError(f"--url {url!r}: give the server's address, e.g. http://127.0.0.1:8000")
+        self.host, self.port, self.https = u.hostname, u.port or (443 if u.scheme == "https" else 80), u.scheme == "https"
+        self.prefix, self.timeout_s, self.conn = u.path.rstrip("/"), timeout_s, None
+
+    def request(self, method: str, path: str, body: Optional[dict] = None) -> tuple[int, dict, float]:
+        """(status, JSON body or {"error": ...}, seconds). Status 0: the connection failed."""
+        data = json.dumps(body).encode() if body is not None else None
+        headers = {"Content-Type": "application/json"} if data is not None else {}
+        t = time.perf_counter()
+        for attempt in (0, 1):  # a keep-alive connection the server closed in between is reopened once
+            try:
+                if self.conn is None:
+                    cls = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
+                    self.conn = cls(self.host, self.port, timeout=self.timeout_s)
+                self.conn.request(method, self.prefix + path, body=data, headers=headers)
+                r = self.conn.getresponse()
+                raw = r.read()
+                try:
+                    out = json.loads(raw)
+                except ValueError:
+                    out = {"error": raw[:200].decode(errors="replace")}
+                return r.status, out, time.perf_counter() - t
+            except (http.client.HTTPException, OSError) as e:
+                self.conn.close()
+                self.conn = None
+                if attempt or not isinstance(e, (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)):
+                    return 0, {"error": f"{type(e).__name__}: {e}"}, time.perf_counter() - t
+        raise AssertionError("unreachable")
+
+
+def held_out_texts(data: Optional[str], tokenizer, context: int, k: int) -> tuple[list[str], str]:
+    """K texts from the held-out split (decoded token rows, short enough to score), or fixed texts when
+    there is no split to read. Returns (texts, where they came from)."""
+    if data:
+        from raytrain.data.manifest import load_split
+        from raytrain.data.stream import SampleStream
+
+        split = load_split(data, "--data")
+        rows = SampleStream(split, seed=0, shuffle=False, reader="pyarrow").take(min(k, split.num_samples))
+        texts, origin = [tokenizer.decode(list(r)) for r in rows], split.uri
+    else:
+        texts, origin = FALLBACK_TEXTS[:k], "built-in sentences (no held-out split known: pass --data)"
+    return cut(tokenizer, texts, context), origin
+
+
+def cut(tokenizer, texts: list[str], room: int) -> list[str]:
+    """Each text cut to three quarters of `room` tokens: re-tokenizing decoded text may merge differently and
+    must still fit."""
+    n = max(2, room * 3 // 4)
+    return [tokenizer.decode(tokenizer(t, verbose=False)["input_ids"][:n]) for t in texts]
+
+
+def offline_logprobs(model, tokenizer, text: str) -> list[float]:
+    """The offline evaluation's numbers for one text: -cross entropy per next token (raytrain eval's loss)."""
+    import torch
+
+    from raytrain.worker.evaluate import lm_loss
+
+    ids = torch.tensor([tokenizer(text, verbose=False)["input_ids"]])
+    with torch.no_grad():
+        return (-lm_loss(model, ids, reduction="none")).tolist()
+
+
+def _pct(xs: list[float]) -> dict:
+    if not xs:
+        return {"p50_ms": None, "p95_ms": None, "p99_ms": None}
+    a = np.asarray(xs) * 1e3
+    return {"p50_ms": float(np.percentile(a, 50)), "p95_ms": float(np.percentile(a, 95)),
+            "p99_ms": float(np.percentile(a, 99))}
+
+
+def run_url_check(url: str, model: Optional[str] = None, data: Optional[str] = None, k: int = 8,
+                  requests: int = 200, concurrency: int = 8, max_p99_ms: float = 500.0, tol: float = 1e-4,
+                  prompt: str = "one two three", max_new_tokens: int = 16, timeout_s: float = 300.0,
+                  out_dir: Optional[str] = None, log: Callable[[str], None] = print) -> dict:
+    """{"ok", "checks": [{name, ok, detail}], figures...}; never raises on a failed check."""
+    deadline = time.monotonic() + timeout_s
+    checks: list[dict] = []
+    out: dict = {"url": url, "checks": checks}
+
+    def record(name: str, ok: bool, detail: str) -> bool:
+        checks.append({"name": name, "ok": bool(ok), "detail": detail})
+        log(f"{'PASS' if ok else 'FAIL'}  {name:12} {detail}")
+        return ok
+
+    def finish() -> dict:
+        out["ok"] = bool(checks) and all(c["ok"] for c in checks)
+        if out_dir:
+            out["reports"] = write_reports(out, out_dir)
+        return out
+
+    c = Client(url, timeout_s=min(60.0, timeout_s))
+    status, body, _ = c.request("GET", "/healthz")
+    if not record("health", status == 200 and body.get("status") == "ok", f"GET /healthz -> {status} {body}"):
+        return finish()
+    status, models, _ = c.request("GET", "/v1/models")
+    served = {m["version"]: m for m in models.get("data", [])} if status == 200 else {}
+    stable = body.get("stable")
+    out["versions"] = served
+    if not record("models", stable in served, f"GET /v1/models -> {status}: " + ", ".join(
+            f"{v} ({m['role']}, {m['params']:,} params, step {m['step']})" for v, m in served.items())):
+        return finish()
+
+    status, res, dt = c.request("POST", "/predict", {"text": prompt, "max_new_tokens": max_new_tokens})
+    out["cold_ms"], out["cold_was_first"] = dt * 1e3, bool(res.get("cold"))
+    warmth = "the replica's first request" if res.get("cold") else "replica already warm"
+    record("predict", status == 200 and "continuation" in res and isinstance(res.get("logprobs"), list),
+           f"POST /predict {prompt!r} -> {status} in {dt * 1e3:.0f} ms ({warmth}), "
+           f"version {res.get('version')}: {res.get('continuation', res.get('error'))!r}")
+
+    # Consistency: pinned to the stable version, scored against that version's exported model offline.
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from raytrain.export import EXPORT_META
+    from raytrain.model import local_model_dir
+
+    try:
+        local = local_model_dir(model or served[stable]["source"])
+        offline = AutoModelForCausalLM.from_pretrained(local, dtype=torch.float32).eval()
+        tok = AutoTokenizer.from_pretrained(local)
+        meta_path = os.path.join(local, EXPORT_META)
+        meta = json.load(open(meta_path)) if os.path.exists(meta_path) else {}
+        texts, origin = held_out_texts(data or meta.get("val_data"), tok, served[stable]["context"], k)
+    except Exception as e:  # noqa: BLE001 - an unreadable offline model is a failed check, said in one line
+        record("consistency", False, f"cannot load the offline model {model or served[stable]['source']}: "
+               f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} (pass the exported directory as MODEL_DIR)")
+        texts = []
+    if texts:
+        worst, bad = 0.0, []
+        for text in texts:
+            status, res, _ = c.request("POST", "/predict", {"text": text, "max_new_tokens": 0, "version": stable})
+            got = res.get("logprobs") if status == 200 else None
+            want = offline_logprobs(offline, tok, text) if got is not None else []
+            if got is None or len(got) != len(want):
+                bad.append(f"{status} {res.get('error', '')} ({len(got or [])} vs {len(want)} tokens)")
+                continue
+            worst = max(worst, max((abs(a - b) for a, b in zip(got, want)), default=0.0))
+        out["consistency_max_abs_diff"] = worst
+        record("consistency", not bad and worst <= tol, f"{len(texts)} samples from {origin}, version {stable}: "
+               f"max |served - offline| log-prob {worst:.2e} (limit {tol:g})" + (f"; failed: {bad[:2]}" if bad else ""))
+
+    # Load test: warm latency, throughput, errors; bounded by the request count and the deadline.
+    load_texts = FALLBACK_TEXTS
+    if texts:  # the held-out texts, cut so that each fits the context with its generated tokens
+        load_texts = cut(tok, texts, served[stable]["context"] - max_new_tokens)
+    lat: list[float] = []
+    errors: list[str] = []
+    versions: dict[str, int] = {}
+    lock = threading.Lock()
+    local_clients = threading.local()
+
+    def one(i: int) -> None:
+        if time.monotonic() > deadline:
+            return
+        cl = getattr(local_clients, "c", None) or Client(url, timeout_s=min(60.0, timeout_s))
+        local_clients.c = cl
+        s, r, d = cl.request("POST", "/predict", {"text": load_texts[i % len(load_texts)], "max_new_tokens": max_new_tokens})
+        with lock:
+            if s == 200:
+                lat.append(d)
+                versions[r.get("version")] = versions.get(r.get("version"), 0) + 1
+            else:
+                errors.append(f"{s} {r.get('error', '')}"[:200])
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
+        list(pool.map(one, range(requests)))
+    wall = time.perf_counter() - t0
+    done = len(lat) + len(errors)
+    out["load"] = {"requests": requests, "completed": done, "concurrency": concurrency, "wall_s": wall,
+                   "ok": len(lat), "errors": len(errors), "error_samples": errors[:5], "versions": versions,
+                   "throughput_rps": done / wall if wall > 0 else None,
+                   "tokens_per_s": len(lat) * max_new_tokens / wall if wall > 0 else None, **_pct(lat)}
+    ld = out["load"]
+    record("load", not errors and done == requests,
+           f"{done}/{requests} requests at concurrency {concurrency} in {wall:.1f}s: {ld['throughput_rps']:.1f} req/s, "
+           f"{len(errors)} errors" + (f" ({errors[0]})" if errors else "") + f", versions {versions}")
+    p99 = ld["p99_ms"]
+    record("latency", p99 is not None and p99 <= max_p99_ms,
+           f"warm p50 {ld['p50_ms'] or 0:.0f} ms, p95 {ld['p95_ms'] or 0:.0f} ms, p99 {p99 or 0:.0f} ms "
+           f"(limit {max_p99_ms:g} ms); cold {out['cold_ms']:.0f} ms")
+    return finish()
+
+
+def write_reports(out: dict, out_dir: str) -> list[str]:
+    os.makedirs(out_dir, exist_ok=True)
+    js, md = os.path.join(out_dir, "launch_check.json"), os.path.join(out_dir, "launch_check.md")
+    with open(js, "w") as f:
+        json.dump(out, f, indent=1)
+    ld = out.get("load", {})
+
+    def ms(v):
+        return f"{v:.1f}" if isinstance(v, (int, float)) else "-"
+
+    lines = [f"# Launch check: {out['url']}", "", f"**{'PASSED' if out.get('ok') else 'FAILED'}** "
+             f"({time.strftime('%Y-%m-%d %H:%M:%SZ', time.gmtime())})", "", "| check | result | detail |",
+             "| --- | --- | --- |"]
+    lines += [f"| {c['name']} | {'pass' if c['ok'] else 'FAIL'} | {c['detail'].replace('|', '/')} |" for c in out["checks"]]
+    if ld:
+        lines += ["", "| latency | ms |", "| --- | --- |", f"| cold (first request) | {ms(out.get('cold_ms'))} |",
+                  f"| warm p50 | {ms(ld.get('p50_ms'))} |", f"| warm p95 | {ms(ld.get('p95_ms'))} |",
+                  f"| warm p99 | {ms(ld.get('p99_ms'))} |", "",
+                  f"Throughput {ms(ld.get('throughput_rps'))} requests/s ({ms(ld.get('tokens_per_s'))} generated "
+                  f"tokens/s) at concurrency {ld.get('concurrency')}; {ld.get('errors')} errors of "
+                  f"{ld.get('completed')} requests; versions answering: {ld.get('versions')}."]
+    with open(md, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return [js, md]

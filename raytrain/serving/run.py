@@ -1,0 +1,144 @@
+"""`raytrain serve` (driver side): start or join Ray, run the Serve application, block until interrupted, and
+the traffic commands (split / promote / rollback) that talk to a running router over HTTP."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+import urllib.error
+import urllib.request
+from typing import Callable, Optional
+
+from raytrain.errors import UserError
+
+
+def _connect_ray(need_cpus: float, metrics_port: Optional[int]) -> bool:
+    """Join RAY_ADDRESS's cluster; else start a private local instance sized for the replicas. True if started."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = os.environ.get("RAY_ADDRESS")
+    if address and address.startswith(("http://", "https://")):
+        raise UserError(f"RAY_ADDRESS={address} is the Ray Jobs API address: on a cluster deploy with "
+                        f"`serve deploy cluster/serve.yaml` or `ray job submit -- raytrain serve ...`")
+    if address:
+        ray.init(address=address, log_to_driver=False)
+        return False
+    kw = {"_metrics_export_port": metrics_port} if metrics_port else {}
+    ray.init(address="local", num_cpus=max(int(need_cpus + 0.999), os.cpu_count() or 1), include_dashboard=False,
+             log_to_driver=False, **kw)
+    return True
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+            return True
+        except OSError:
+            return False
+
+
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt
+
+
+def serve_forever(model: str, port: int = 8000, host: str = "127.0.0.1", version: Optional[str] = None,
+                  canary: Optional[str] = None, canary_version: Optional[str] = None, canary_fraction: float = 0.0,
+                  replicas: int = 1, max_replicas: Optional[int] = None, num_cpus: float = 1,
+                  max_batch_size: int = 8, metrics_port: Optional[int] = None, ready_file: Optional[str] = None,
+                  log: Callable[[str], None] = print) -> int:
+    """Deploy, print the endpoints, block until SIGINT / SIGTERM, then delete the application (and stop the
+    local Ray instance when this process started it)."""
+    from raytrain.serving.source import resolve
+
+    if not 0 <= canary_fraction <= 1:
+        raise UserError(f"--canary-fraction must be in [0, 1], got {canary_fraction}")
+    if canary_fraction and not canary:
+        raise UserError("--canary-fraction needs --canary MODEL2")
+    stable = resolve(model, version, log=log)
+    can = resolve(canary, canary_version, log=log) if canary else None
+    if can and can.version == stable.version:
+        raise UserError(f"both versions are called {stable.version!r}; name them apart with --version / --canary-version")
+    if not os.environ.get("RAY_ADDRESS") and not _port_free(host, port):
+        raise UserError(f"port {port} on {host} is in use; pass another --port")
+
+    import ray
+    from ray import serve
+
+    from raytrain.serving.app import APP_NAME, build
+
+    deployments = 1 + (can is not None)
+    started = _connect_ray(num_cpus * replicas * deployments, metrics_port)
+    # SIGTERM (kill, a job stop) shuts down as cleanly as Ctrl-C; SIGINT is set too because a shell starts
+    # background jobs with it ignored.
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
+    try:
+        gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
+        serve.start(http_options={"host": host, "port": port})
+        app = build(stable.uri, stable.version, can.uri if can else None, can.version if can else None,
+                    canary_fraction, replicas, max_replicas, num_cpus, gpus, max_batch_size)
+        t0 = time.time()
+        try:
+            serve.run(app, name=APP_NAME, route_prefix="/")
+        except RuntimeError as e:
+            raise UserError(f"the Serve application did not start: {str(e).strip().splitlines()[-1]}") from None
+        url = f"http://{host}:{port}"
+        split = f", canary {can.version} at {canary_fraction:.0%}" if can else ""
+        log(f"[raytrain] serving {stable.version} ({stable.uri}){split} at {url} on {'GPU' if gpus else 'CPU'} "
+            f"(ready in {time.time() - t0:.1f}s)\n"
+            f"  curl -X POST {url}/predict -H 'Content-Type: application/json' -d '{{\"text\": \"...\"}}'\n"
+            f"  POST /v1/completions, GET /healthz, GET /v1/models; Ctrl-C stops")
+        if ready_file:
+            with open(ready_file, "w") as f:
+                json.dump({"url": url, "stable": stable.version, "canary": can.version if can else None}, f)
+        while True:
+            time.sleep(1)
+    except KeyboardInterrupt:
+        log("[raytrain] stopping: deleting the Serve application")
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            serve.delete(APP_NAME)
+            if started:
+                serve.shutdown()
+        finally:
+            if started:
+                ray.shutdown()
+    return 0
+
+
+def traffic(url: str, action: str, fraction: Optional[float] = None, timeout_s: float = 30) -> dict:
+    """split / promote / rollback on a running `raytrain serve`; returns the router's new traffic state."""
+    from ray._raylet import AuthenticationTokenLoader
+
+    if action == "split":
+        if fraction is None:
+            raise UserError("serve split needs --canary-fraction F (0..1)")
+        path, body = "/admin/traffic", {"canary_fraction": fraction}
+    else:
+        path, body = f"/admin/{action}", {}
+    # The token whenever this machine has one (RAY_AUTH_TOKEN, ~/.ray/auth_token): a local Ray turns token
+    # authentication on by itself when a token exists, whether or not RAY_AUTH_MODE is set here.
+    loader = AuthenticationTokenLoader.instance()
+    token = loader.get_raw_token(ignore_auth_mode=True) if loader.has_token(ignore_auth_mode=True) else None
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
+    req = urllib.request.Request(url.rstrip("/") + path, data=json.dumps(body).encode(), headers=headers,
+                                 method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        try:
+            reason = json.loads(e.read()).get("error", "")
+        except ValueError:
+            reason = ""
+        raise UserError(f"{action} at {url}: HTTP {e.code} {reason}".strip()) from None
+    except (urllib.error.URLError, OSError) as e:
+        raise UserError(f"{action}: no `raytrain serve` answering at {url} ({getattr(e, 'reason', e)})") from None

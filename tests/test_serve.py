@@ -1,0 +1,260 @@
+"""`raytrain serve` on a real Ray Serve application on 127.0.0.1, and `raytrain check --url` against it.
+
+One tiny run is trained for the module (checkpoints at steps 5 and 10, step 5 tagged v1.0); one
+`raytrain serve RUN@v1.0 --canary RUN --canary-fraction 0.5` subprocess (its own local Ray, both
+checkpoints exported on the fly) serves every test, which is why the order of the tests matters: the
+canary is rolled back, and the server interrupted, at the end.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from raytrain import checkpoints
+from raytrain.cli import main
+from raytrain.trainer import train
+from tests.conftest import _free_port, tiny_cfg
+
+ROOT = Path(__file__).resolve().parent.parent
+STABLE, CANARY = "v1.0", "step-10"
+
+
+def _post(url: str, path: str, body, ctype: str = "application/json", timeout: float = 60) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(url + path, data=data, headers={"Content-Type": ctype}, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _get(url: str, path: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(url + path, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@pytest.fixture(scope="module")
+def run(ray_cluster, tiny_data, tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve")
+    cfg = tiny_cfg(tiny_data, root, "served", "scaling.num_workers=1")  # one rank: the cheapest real checkpoints
+    summary = train(cfg, log=lambda *_: None)
+    checkpoints.tag(cfg.run_uri, STABLE, step=5)
+    return cfg.run_uri, summary
+
+
+@pytest.fixture(scope="module")
+def server(run, tmp_path_factory):
+    run_uri, summary = run
+    d = tmp_path_factory.mktemp("server")
+    port, metrics_port = _free_port(), _free_port()
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0", RAY_metrics_report_interval_ms="1000")
+    log = (d / "serve.log").open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "raytrain", "serve", f"{run_uri}@{STABLE}", "--canary", run_uri,
+                             "--canary-fraction", "0.5", "--port", str(port), "--metrics-port", str(metrics_port),
+                             "--ready-file", str(d / "ready.json")], env=env, stdout=log, stderr=subprocess.STDOUT,
+                            cwd=str(d))
+    deadline = time.time() + 420
+    while not (d / "ready.json").exists():
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            pytest.fail(f"raytrain serve did not come up (rc {proc.poll()}): {(d / 'serve.log').read_text()[-3000:]}")
+        time.sleep(0.5)
+    info = {"url": f"http://127.0.0.1:{port}", "metrics": f"http://127.0.0.1:{metrics_port}/metrics", "proc": proc,
+            "log": d / "serve.log", "run_uri": run_uri, "summary": summary}
+    yield info
+    if proc.poll() is None:  # the last test interrupts it; this is for a failed run
+        proc.kill()
+        proc.wait(timeout=30)
+    log.close()
+
+
+def test_serve_rejects_missing_or_incomplete_models(tmp_path, capsys):
+    assert main(["serve", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err
+    assert "neither a model directory (no config.json) nor a run directory" in err and err.count("\n") == 1
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "config.json").write_text("{}")
+    assert main(["serve", str(tmp_path / "half")]) == 2
+    err = capsys.readouterr().err
+    assert "is incomplete: no weights" in err and err.count("\n") == 1
+    assert main(["serve", "promote"]) == 2
+    assert "needs --url" in capsys.readouterr().err
+
+
+def test_cluster_serve_config_matches_serves_schema_and_the_app_builder():
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    from raytrain.serving.app import app_builder
+
+    doc = yaml.safe_load((ROOT / "cluster" / "serve" / "raytrain-serve.yaml").read_text())
+    app = ServeDeploySchema.model_validate(doc).applications[0]
+    assert app.import_path == "raytrain.serving.app:app_builder"
+    assert {d.name for d in app.deployments} == {"model", "canary"}  # the names build() gives the versions
+    with pytest.raises(ValueError, match="unknown \\['modle'\\], required 'model'"):
+        app_builder({"modle": "s3://b/run"})
+
+
+@pytest.mark.slow
+def test_curl_predict_answers_with_input_logprobs(server):
+    text = "one two three four"
+    if shutil.which("curl"):  # the launch guide's own line
+        out = subprocess.run(["curl", "-s", "-X", "POST", f"{server['url']}/predict", "-H",
+                              "Content-Type: application/json", "-d", json.dumps({"text": text})],
+                             capture_output=True, text=True, timeout=60)
+        body = json.loads(out.stdout)
+    else:
+        status, body = _post(server["url"], "/predict", {"text": text})
+        assert status == 200
+    assert body["version"] in (STABLE, CANARY)
+    assert isinstance(body["continuation"], str) and 1 <= body["completion_tokens"] <= 16
+    assert len(body["logprobs"]) == body["prompt_tokens"] - 1 == len(body["tokens"]) - 1
+    assert all(-50 < lp <= 0 for lp in body["logprobs"])
+
+
+@pytest.mark.slow
+def test_openai_completions_models_and_health(server):
+    url = server["url"]
+    req = {"model": STABLE, "prompt": "three four", "max_tokens": 5, "temperature": 0.8, "seed": 7}
+    status, a = _post(url, "/v1/completions", req)
+    assert status == 200 and a["object"] == "text_completion" and a["model"] == a["version"] == STABLE
+    assert a["choices"][0]["finish_reason"] in ("stop", "length") and isinstance(a["choices"][0]["text"], str)
+    assert 1 <= a["usage"]["completion_tokens"] <= 5
+    assert a["usage"]["total_tokens"] == a["usage"]["prompt_tokens"] + a["usage"]["completion_tokens"]
+    _, b = _post(url, "/v1/completions", req)
+    assert b["choices"][0]["text"] == a["choices"][0]["text"]  # seeded sampling repeats
+    status, models = _get(url, "/v1/models")
+    by = {m["id"]: m for m in models["data"]}
+    assert status == 200 and set(by) == {STABLE, CANARY}
+    assert by[STABLE]["step"] == 5 and by[CANARY]["step"] == 10
+    assert by[STABLE]["params"] == by[CANARY]["params"] == server["summary"]["params"]
+    assert (by[STABLE]["role"], by[CANARY]["role"], by[CANARY]["traffic"]) == ("stable", "canary", 0.5)
+    status, health = _get(url, "/healthz")
+    assert status == 200 and health["status"] == "ok"
+
+
+@pytest.mark.slow
+def test_check_url_passes_with_consistent_logprobs(server, tmp_path, capsys):
+    rc = main(["check", "--url", server["url"], "--requests", "40", "--concurrency", "4", "--samples", "4",
+               "--max-p99-ms", "1e9", "--report-dir", str(tmp_path), "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0, out["checks"]
+    checks = {c["name"]: c for c in out["checks"]}
+    assert checks["consistency"]["ok"] and out["consistency_max_abs_diff"] <= 1e-4
+    assert "held-out" not in checks["consistency"]["detail"] and "/val" in checks["consistency"]["detail"]
+    assert out["load"]["errors"] == 0 and out["load"]["ok"] == 40
+    assert out["load"]["p50_ms"] <= out["load"]["p99_ms"] and out["cold_ms"] > 0
+    saved = json.loads((tmp_path / "launch_check.json").read_text())
+    assert saved["ok"] and "| warm p99 |" in (tmp_path / "launch_check.md").read_text()
+    # The bar is enforced: an impossible P99 fails the check.
+    assert main(["check", "--url", server["url"], "--requests", "4", "--samples", "1", "--max-p99-ms", "0.001",
+                 "--report-dir", str(tmp_path / "strict")]) == 1
+    assert "FAIL  latency" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_bad_input_gets_a_4xx_and_the_server_keeps_serving(server):
+    url = server["url"]
+    long_text = " ".join(["one two three"] * 20)
+    cases = [
+        ("malformed JSON", b'{"text": "one', "application/json", 400, "not valid JSON"),
+        ("missing text", {"txt": "one"}, "application/json", 422, "'text'"),
+        ("too long", {"text": long_text}, "application/json", 413, "exceeds the model's context of 32 tokens"),
+        ("unknown version", {"text": "one", "version": "v9"}, "application/json", 404, "unknown version 'v9'"),
+        ("wrong content type", {"text": "one"}, "text/plain", 415, "Content-Type: application/json"),
+        ("not an object", [1, 2], "application/json", 400, "JSON object"),
+    ]
+    for name, body, ctype, want, reason in cases:
+        status, out = _post(url, "/predict", body, ctype)
+        assert status == want and reason in out["error"] and "\n" not in out["error"], (name, status, out)
+        status, ok = _post(url, "/predict", {"text": "one two"})
+        assert status == 200 and ok["continuation"] is not None, (name, ok)
+    status, out = _post(url, "/v1/completions", {"prompt": "one", "max_tokens": -1})
+    assert status == 422 and "max_tokens" in out["error"]
+    status, out = _get(url, "/nowhere")
+    assert status == 404
+    from ray._private.authentication.authentication_utils import is_token_auth_enabled
+
+    if is_token_auth_enabled():  # traffic changes need the Ray token (the server runs with this environment)
+        status, out = _post(url, "/admin/rollback", {})
+        assert status == 401 and "Ray auth token" in out["error"]
+    # Requests by status and version reach Ray's Prometheus export (Ray adds its `ray_` prefix).
+    def exported() -> list[str]:
+        with urllib.request.urlopen(server["metrics"], timeout=10) as r:
+            return [x for x in r.read().decode().splitlines() if x.startswith("ray_model_")]
+
+    def complete(lines: list[str]) -> bool:
+        counts = [x for x in lines if x.startswith("ray_model_requests_total{")]
+        return (any('status="200"' in x and f'version="{STABLE}"' in x for x in counts)
+                and all(any(f'status="{s}"' in x and 'version="none"' in x for x in counts) for s in (400, 415))
+                # too long is found out by the replica: it counts against the version it was routed to
+                and any('status="413"' in x and 'version="none"' not in x for x in counts)
+                and any(x.startswith("ray_model_request_latency_ms_bucket{") for x in lines)
+                and any(x.startswith("ray_model_generated_tokens_total{") for x in lines))
+
+    deadline, lines = time.time() + 40, []
+    while time.time() < deadline and not complete(lines):
+        time.sleep(1)
+        lines = exported()
+    assert complete(lines), lines
+
+
+@pytest.mark.slow
+def test_canary_then_rollback_under_load_fails_no_request(server, capsys):
+    url = server["url"]
+    assert main(["serve", "split", "--url", url, "--canary-fraction", "0.5"]) == 0
+    assert f"stable {STABLE}, canary {CANARY} at 50%" in capsys.readouterr().out
+    n, results, lock = 240, [], threading.Lock()
+    rolled_back = threading.Event()
+
+    def one(i):
+        after = rolled_back.is_set()
+        try:
+            status, body = _post(url, "/predict", {"text": "five six seven", "max_new_tokens": 4})
+        except OSError as e:
+            status, body = 0, {"error": str(e)}
+        with lock:
+            results.append((after, status, body.get("version")))
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        futures = [pool.submit(one, i) for i in range(n)]
+        while len(results) < n // 3:
+            time.sleep(0.05)
+        assert main(["serve", "rollback", "--url", url]) == 0  # while requests are in flight
+        rolled_back.set()
+        for f in futures:
+            f.result()
+    assert "no canary" in capsys.readouterr().out
+    failed = [r for r in results if r[1] != 200]
+    assert len(results) == n and not failed, failed[:5]
+    assert {v for _, _, v in results} == {STABLE, CANARY}
+    after = [v for a, _, v in results if a]
+    assert after and set(after) == {STABLE}  # sent after the rollback: only the stable version answers
+    assert main(["serve", "promote", "--url", url]) == 2  # nothing left to promote
+    assert "no canary to promote" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_interrupt_stops_the_application_cleanly(server):
+    proc = server["proc"]
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=90) == 0
+    assert "stopping: deleting the Serve application" in server["log"].read_text()
+    with pytest.raises(OSError):
+        urllib.request.urlopen(server["url"] + "/healthz", timeout=5)
