@@ -19,9 +19,12 @@ def _connect_ray(need_cpus: float, metrics_port: Optional[int]) -> bool:
     """Join RAY_ADDRESS's cluster; else start a private local instance sized for the replicas. True if started."""
     import ray
 
+    from raytrain.ray_auth import ensure_token
+
     if ray.is_initialized():
         return False
     address = os.environ.get("RAY_ADDRESS")
+    ensure_token(create=not address)  # a local instance starts with token authentication
     if address and address.startswith(("http://", "https://")):
         raise UserError(f"RAY_ADDRESS={address} is the Ray Jobs API address: on a cluster deploy with "
                         f"`serve deploy cluster/serve.yaml` or `ray job submit -- raytrain serve ...`")
