@@ -3,7 +3,7 @@ planted at known rates and recorded.
 
     python scripts/gen_corpus.py OUT_DIR --mb 64 [--exact 0.02] [--near 0.02] [--threshold 0.9] [--seed 0]
 
-Writes OUT_DIR/part-00000.jsonl ... ({"id": n, "text": ...} per line, files of about --file-mb MB) and
+Writes OUT_DIR/corpus/part-00000.jsonl ... ({"id": n, "text": ...} per line, files of about --file-mb MB) and
 OUT_DIR/planted.jsonl: one line per planted duplicate, {"id", "kind": "exact" | "near", "of": source id,
 "jaccard"} where jaccard is measured with the project's own shingling (raytrain.data.minhash.jaccard) and lies in
 [threshold, 0.97] for near duplicates. Every other document is unique (independent Zipf draws).
@@ -56,7 +56,7 @@ def generate(out: Path, mb: float, exact: float, near: float, threshold: float, 
     vocab = vocabulary(vocab_size, rng)
     p = 1.0 / np.arange(1, vocab_size + 1) ** zipf_a
     cdf = np.cumsum(p / p.sum())
-    out.mkdir(parents=True, exist_ok=True)
+    (out / "corpus").mkdir(parents=True, exist_ok=True)
     target, written, n, part = mb * 2**20, 0, 0, 0
     pool: list[str] = []  # recent unique documents, sources for duplicates
     f = None
@@ -66,7 +66,7 @@ def generate(out: Path, mb: float, exact: float, near: float, threshold: float, 
         if f is None or f.tell() > file_mb * 2**20:
             if f:
                 f.close()
-            f = open(out / f"part-{part:05d}.jsonl", "w")
+            f = open(out / "corpus" / f"part-{part:05d}.jsonl", "w")
             part += 1
         u = rng.random()
         text, rec = None, None

@@ -1,4 +1,4 @@
-"""Vectorised MinHash and LSH band keys for near-duplicate detection: shingles of 5 words, hashed with numpy.
+"""Vectorised MinHash and LSH band keys for near-duplicate detection: shingles of 5 words, hashed with arrow/numpy, signatures by rensa.
 
 A document's shingles are its lower-cased, whitespace-split words taken 5 at a time (one shingle of all its
 words when it has fewer than 5); that is the project's definition of a document's shingle set, and
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Sequence
 
 import numpy as np
 
@@ -119,10 +118,10 @@ def band_keys(sig: np.ndarray, bands: int, rows: int) -> np.ndarray:
     n = sig.shape[0]
     keys = np.zeros((n, bands), np.uint64)
     mult = _mix(np.arange(7, 7 + rows, dtype=np.uint64)) | np.uint64(1)
+    salt = np.arange(bands, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)  # array maths wraps silently
     for j in range(bands):
         band = sig[:, j * rows:(j + 1) * rows].astype(np.uint64)
-        h = (band * mult[None, :]).sum(axis=1, dtype=np.uint64) + np.uint64(j) * np.uint64(0x9E3779B97F4A7C15)
-        keys[:, j] = _mix(h)
+        keys[:, j] = _mix((band * mult[None, :]).sum(axis=1, dtype=np.uint64) + salt[j])
     return keys
 
 
