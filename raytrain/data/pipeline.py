@@ -259,7 +259,7 @@ def _finish(cfg, src, counts_rows, make_tokenizer, sample_fn, log):
         sample = tokenizer_sample(sample_fn(frac), cfg.tokenizer_sample_docs)
         log(f"prepare: training the tokenizer on {len(sample):,} documents")
     tok, eot_id = make_tokenizer(sample)
-    return counts, tok, eot_id
+    return counts, tok, eot_id, n_kept
 
 
 def _run_local(cfg, src: Sources, out: str, make_tokenizer, log) -> dict:
@@ -271,14 +271,14 @@ def _run_local(cfg, src: Sources, out: str, make_tokenizer, log) -> dict:
         raw = pa.concat_tables(raw)
         S = pa.concat_tables([stages.normalise_batch(raw.slice(i, NORMALISE_BATCH), progress=prog, **kw)
                               for i in range(0, max(raw.num_rows, 1), NORMALISE_BATCH)])
-        counts, tok, eot_id = _finish(cfg, src, stages.count_batch(S).to_pylist(), make_tokenizer,
+        counts, tok, eot_id, n_kept = _finish(cfg, src, stages.count_batch(S).to_pylist(), make_tokenizer,
                                       lambda frac: _sample_batch(S, frac=frac, seed=cfg.seed).to_pylist(), log)
         parts = [_kept_docs(S)]
         if kw["near"]:
             drops = stages.bucket_drops(stages.explode_bands(S, n_groups=1))
             parts.append(_markers(drops, n_parts=src.n_parts))
         docs = pa.concat_tables(parts)
-        fin_kw = _finalize_kwargs(cfg, tok, eot_id)
+        fin_kw = _finalize_kwargs(cfg, tok, eot_id, n_kept)
         part_col = docs.column("part").to_numpy()
         F = pa.concat_tables([stages.finalize_partition(docs.filter(pa.array(part_col == p)), progress=prog, **fin_kw)
                               for p in np.unique(part_col)])
@@ -293,9 +293,14 @@ def _run_local(cfg, src: Sources, out: str, make_tokenizer, log) -> dict:
     return _result(merged, counts, pa.concat_tables(written).to_pylist() if written else [], tok, eot_id, "local")
 
 
-def _finalize_kwargs(cfg, tok, eot_id) -> dict:
+def _finalize_kwargs(cfg, tok, eot_id, n_kept: int) -> dict:
+    def cut(n, share):  # twice the expected need: the bottom-k of the whole split lies below it
+        return 1.0 if share <= 0 else min(1.0, 2.0 * n / max(1.0, n_kept * share) + 1e-9)
+
+    cutoffs = {"train": cut(MAX_LENGTH_SAMPLE, 1 - cfg.val_fraction), "val": cut(MAX_LENGTH_SAMPLE, cfg.val_fraction),
+               "review": cut(max(cfg.review_samples, 100), 1 - cfg.val_fraction)}
     return dict(tok_json=tok.to_str(), eot_id=eot_id, window=cfg.seq_len + 1, pii=cfg.pii_scrub,
-                review_n=cfg.review_samples, seed=cfg.seed)
+                review_n=cfg.review_samples, seed=cfg.seed, cutoffs=cutoffs)
 
 
 def _write_kwargs(cfg, out) -> dict:
@@ -345,7 +350,7 @@ def _run_ray(cfg, src: Sources, out: str, make_tokenizer, log) -> dict:
         raw = pieces[0].union(*pieces[1:]) if len(pieces) > 1 else pieces[0]
         S = raw.map_batches(stages.normalise_batch, batch_size=NORMALISE_BATCH, batch_format="pyarrow",
                             fn_kwargs={**kw, "progress": prog}).materialize()
-        counts, tok, eot_id = _finish(
+        counts, tok, eot_id, n_kept = _finish(
             cfg, src, S.map_batches(stages.count_batch, batch_size=None, batch_format="pyarrow").take_all(),
             make_tokenizer,
             lambda frac: S.map_batches(_sample_batch, batch_size=None, batch_format="pyarrow",
@@ -362,7 +367,7 @@ def _run_ray(cfg, src: Sources, out: str, make_tokenizer, log) -> dict:
             docs = docs.union(markers)
         log("prepare: de-duplicating, tokenizing and packing")
         F = docs.groupby("part").map_groups(stages.finalize_partition, batch_format="pyarrow",
-                                            fn_kwargs={**_finalize_kwargs(cfg, tok, eot_id), "progress": prog}
+                                            fn_kwargs={**_finalize_kwargs(cfg, tok, eot_id, n_kept), "progress": prog}
                                             ).materialize()
         stats_rows = F.map_batches(lambda b: b.filter(pc.equal(b.column("kind"), "stats")).select(["part", "stats"]),
                                    batch_size=None, batch_format="pyarrow").take_all()

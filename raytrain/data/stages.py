@@ -134,10 +134,12 @@ def _bottom(pairs, n: int) -> list:
 
 
 def finalize_partition(group: pa.Table, *, tok_json: str, eot_id: int, window: int, pii: bool, review_n: int,
-                       seed: int, progress=None) -> pa.Table:
+                       seed: int, cutoffs: dict, progress=None) -> pa.Table:
     """One partition's documents (+ near-duplicate markers) -> packed rows per split, and one stats row.
 
-    Documents are taken in content-hash order, so the rows depend only on which documents the partition holds."""
+    Documents are taken in content-hash order, so the rows depend only on which documents the partition holds.
+    Sample candidates are only those whose hash draw is below the split's cutoff (about twice the sample size
+    over the whole corpus), so what the driver merges stays bounded however many partitions there are."""
     counts: Counter = Counter()
     marker = group.column("marker").to_numpy(zero_copy_only=False)
     near = set(group.column("k").to_numpy()[marker].tolist())
@@ -178,8 +180,10 @@ def finalize_partition(group: pa.Table, *, tok_json: str, eot_id: int, window: i
         stats["splits"][split] = {
             "documents": int(len(idx)), "tokens": int(lens.sum()), "max": int(lens.max()) if len(lens) else 0,
             "rows": int(n),
-            "lengths": _bottom(zip(u_len[idx].tolist(), lens.tolist()), MAX_LENGTH_SAMPLE),
-            "review": _bottom(zip(u_rev[idx].tolist(), (texts[i] for i in idx)), review_n) if split == "train" else [],
+            "lengths": _bottom(((u, n) for u, n in zip(u_len[idx].tolist(), lens.tolist())
+                                if u < cutoffs[split]), MAX_LENGTH_SAMPLE),
+            "review": _bottom(((u, texts[i]) for u, i in zip(u_rev[idx].tolist(), idx) if u < cutoffs["review"]),
+                              review_n) if split == "train" else [],
         }
     counts["kept"] = len(texts)
     stats["counts"] = dict(counts)
