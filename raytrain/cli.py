@@ -20,11 +20,30 @@ def _cmd_train(args) -> int:
 
 
 def _cmd_prepare(args) -> int:
+    import time
+
     from raytrain.data.prepare import load_prepare_config, prepare
 
-    report = prepare(load_prepare_config(args.config, args.overrides))
-    print(json.dumps(report, indent=1))
+    t0 = time.monotonic()
+    report = prepare(load_prepare_config(args.config, args.overrides),
+                     log=(lambda line: print(line, file=sys.stderr)) if args.json else print)
+    print(json.dumps(report, indent=1) if args.json else format_prepare_summary(report, time.monotonic() - t0))
     return 0
+
+
+def format_prepare_summary(r: dict, seconds: float) -> str:
+    """A few lines for a person: documents in / kept and why dropped, tokens and shards per split, the report."""
+    f = r.get("filters", {})
+    drops = ", ".join(f"{k.removeprefix('dropped_').replace('_', ' ')} {v:,}" for k, v in f.items()
+                      if k.startswith("dropped_") and v)
+    lines = [f"prepared {r['out']} in {seconds:.1f} s (engine {r.get('engine', 'local')})",
+             f"  documents  {r['documents']:,} in, {r['kept']:,} kept" + (f" (dropped: {drops})" if drops else "")]
+    for split in ("train", "val"):
+        s = r.get(split, {})
+        lines.append(f"  {split:<9}  {s.get('documents', 0):,} documents, {s.get('tokens', 0):,} tokens in "
+                     f"{s.get('samples', 0):,} sequences, {s.get('shards', 0)} shard(s) per format")
+    lines.append(f"  report     {r['out'].rstrip('/')}/report.md (train/val drift KS {r['ks_train_val_doc_tokens']:.3f})")
+    return "\n".join(lines)
 
 
 def _cmd_data(args) -> int:
@@ -272,6 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr = sub.add_parser("prepare", help="tokenize and pack text into Parquet / WebDataset shards with a manifest and a data report")
     pr.add_argument("--config", "-c", default=None, help="YAML file of prepare settings")
     pr.add_argument("overrides", nargs="*", help="e.g. inputs=[python-docs] out=data/docs seq_len=128")
+    pr.add_argument("--json", action="store_true", help="print the full report as JSON (progress lines go to stderr)")
     pr.set_defaults(fn=_cmd_prepare)
     d = sub.add_parser("data", help="data tools: `data compare A B` checks two prepared datasets for drift")
     d.add_argument("action", choices=["compare"])

@@ -45,7 +45,7 @@ def bench_prepare(out: str, max_chars: int, seq_len: int) -> dict:
     from raytrain.data.corpus import python_docs
     from raytrain.data.prepare import PrepareConfig, prepare, train_tokenizer
 
-    import datasketch  # noqa: F401 - imports (webdataset pulls in torch) are a one-off cost, not throughput
+    import rensa  # noqa: F401 - imports (webdataset pulls in torch) are a one-off cost, not throughput
     import webdataset  # noqa: F401
 
     docs = list(python_docs(max_chars))

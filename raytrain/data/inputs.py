@@ -126,7 +126,9 @@ def _user_error_in(err: BaseException) -> Optional[str]:
     return None
 
 
-def use_ray(engine: str) -> bool:
+def use_ray(engine: str, object_store_memory: Optional[int] = None) -> bool:
+    if engine == "local":
+        return False  # without importing ray (a second of start-up)
     import ray
 
     address = os.environ.get("RAY_ADDRESS", "")
@@ -145,7 +147,9 @@ def use_ray(engine: str) -> bool:
         ensure_token(create=not os.environ.get("RAY_ADDRESS"))
         # RAY_ADDRESS's cluster when set; otherwise a fresh local instance, never a stray cluster that
         # an earlier `ray start` on this machine left behind (ray.init() alone would try to join it).
-        ray.init(address=os.environ.get("RAY_ADDRESS") or "local", log_to_driver=False)
+        address = os.environ.get("RAY_ADDRESS") or "local"
+        kw = {"object_store_memory": object_store_memory} if address == "local" and object_store_memory else {}
+        ray.init(address=address, log_to_driver=False, include_dashboard=False, logging_level="ERROR", **kw)
     return True
 
 

@@ -3,7 +3,6 @@ de-duplication, optional PII scrubbing. Every step counts what it did, for the d
 
 from __future__ import annotations
 
-import hashlib
 import re
 import unicodedata
 from collections import Counter
@@ -31,48 +30,34 @@ def scrub_pii(text: str, counts: Counter) -> str:
     return text
 
 
-def _shingles(text: str, n: int = 5) -> set[bytes]:
-    words = text.lower().split()
-    return {" ".join(words[i:i + n]).encode() for i in range(max(1, len(words) - n + 1))}
-
-
 def clean_documents(docs: Iterable[str], min_chars: int, max_chars: int, near_dup_threshold: float,
                     pii: bool, seed: int) -> tuple[list[str], Counter]:
-    """Apply every quality step in order; returns the kept documents and per-step counts."""
-    counts: Counter = Counter()
-    kept: list[str] = []
-    seen: set[bytes] = set()
-    lsh = None
-    if near_dup_threshold < 1.0:
-        from datasketch import MinHash, MinHashLSH
+    """Every quality step of the prepare pipeline (data/stages.py), in this process: the kept documents in input
+    order (the first copy of exact duplicates; near duplicates as the pipeline decides) and per-step counts."""
+    import pyarrow as pa
 
-        lsh = MinHashLSH(threshold=near_dup_threshold, num_perm=64)
-    for raw in docs:
-        counts["input"] += 1
-        text = normalise(raw)
-        if not text:
-            counts["dropped_empty"] += 1
-            continue
-        if len(text) < min_chars:
-            counts["dropped_short"] += 1
-            continue
-        if max_chars and len(text) > max_chars:
-            counts["dropped_long"] += 1
-            continue
-        digest = hashlib.sha256(text.encode()).digest()
-        if digest in seen:
+    from raytrain.data import minhash, stages
+
+    docs = list(docs)
+    near = near_dup_threshold < 1.0
+    bands, rows = minhash.lsh_params(near_dup_threshold, minhash.NUM_PERM) if near else (0, 0)
+    s = stages.normalise_batch(pa.table({"text": pa.array(docs, pa.large_string()), "utf8": ["ok"] * len(docs)}),
+                               min_chars=min_chars, max_doc_chars=max_chars, near=near, bands=bands, rows=rows,
+                               seed=seed, n_parts=1, val_fraction=0.0)
+    counts: Counter = Counter({"input": len(docs)})
+    drops = set(stages.bucket_drops(stages.explode_bands(s, n_groups=1)).column("k").to_pylist()) if near else set()
+    seen: set = set()
+    kept = []
+    for text, why, h, k in zip(*(s.column(c).to_pylist() for c in ("text", "reason", "h", "k"))):
+        if why:
+            counts[why] += 1
+        elif h in seen:
             counts["dropped_exact_duplicate"] += 1
-            continue
-        seen.add(digest)
-        if lsh is not None:
-            mh = MinHash(num_perm=64, seed=seed)
-            mh.update_batch(list(_shingles(text)))
-            if lsh.query(mh):
-                counts["dropped_near_duplicate"] += 1
-                continue
-            lsh.insert(str(len(kept)), mh)
-        if pii:
-            text = scrub_pii(text, counts)
-        kept.append(text)
+        elif k in drops:
+            counts["dropped_near_duplicate"] += 1
+            seen.add(h)
+        else:
+            seen.add(h)
+            kept.append(scrub_pii(text, counts) if pii else text)
     counts["kept"] = len(kept)
     return kept, counts

@@ -34,23 +34,32 @@ def length_stats(lengths) -> dict:
             "p50": float(np.percentile(x, 50)), "p95": float(np.percentile(x, 95)), "max": int(x.max())}
 
 
-def _sample(lengths, seed: int) -> list[int]:
-    lengths = list(map(int, lengths))
-    if len(lengths) <= MAX_LENGTH_SAMPLE:
-        return lengths
-    idx = np.random.default_rng(seed).choice(len(lengths), MAX_LENGTH_SAMPLE, replace=False)
-    return [lengths[i] for i in sorted(idx)]
+def split_stats(s: dict) -> dict:
+    """Exact totals (documents, tokens, mean, max) and percentiles of the bottom-k length sample, which are
+    approximate when the sample holds fewer documents than the split."""
+    lens = [n for _, n in s.get("lengths", [])]
+    out = {**length_stats(lens), "documents": s.get("documents", 0), "tokens": s.get("tokens", 0),
+           "max": s.get("max", 0)}
+    if out["documents"]:
+        out["mean"] = out["tokens"] / out["documents"]
+    if len(lens) < out["documents"]:
+        out["approximate"] = ["p50", "p95"]
+    return out
 
 
-def write_report(out: str, counts: dict, doc_lengths: dict[str, list[int]], splits: dict[str, dict],
-                 review: list[str], seed: int) -> dict:
+def write_report(out: str, counts: dict, splits: dict[str, dict], summary: dict, seed: int) -> dict:
+    """`splits`: per split the exact totals and the bottom-k samples of (hash draw, document length) and of
+    (hash draw, text) that the pipeline merged from its partitions."""
+    doc_lengths = {name: [n for _, n in s.get("lengths", [])] for name, s in splits.items()}
+    approx = any(len(doc_lengths[n]) < s.get("documents", 0) for n, s in splits.items())
     report = {
         "filters": dict(counts),
-        "splits": {name: {**splits.get(name, {}), "doc_tokens": length_stats(lens)}
-                   for name, lens in doc_lengths.items()},
+        "splits": {name: {**summary.get(name, {}), "doc_tokens": split_stats(s)} for name, s in splits.items()},
         "ks_train_val_doc_tokens": ks_statistic(doc_lengths.get("train", []), doc_lengths.get("val", [])),
-        "doc_token_lengths_sample": {name: _sample(lens, seed) for name, lens in doc_lengths.items()},
+        "ks_approximate": approx,
+        "doc_token_lengths_sample": doc_lengths,
     }
+    review = [t for _, t in splits.get("train", {}).get("review", [])]
     storage.write_text(storage.join(out, REPORT), json.dumps(report, indent=1))
     storage.write_text(storage.join(out, "review_sample.jsonl"),
                        "".join(json.dumps({"text": t}) + "\n" for t in review))
@@ -96,11 +105,15 @@ def render_markdown(r: dict) -> str:
     for name, s in r["splits"].items():
         d = s["doc_tokens"]
         if d.get("documents"):
-            lines.append(f"| {name} | {d['documents']} | {d['tokens']} | {d['mean']:.1f} | {d['p50']:.0f} | "
-                         f"{d['p95']:.0f} | {d['max']} | {s.get('samples', '')} |")
+            t = "~" if d.get("approximate") else ""
+            lines.append(f"| {name} | {d['documents']} | {d['tokens']} | {d['mean']:.1f} | {t}{d['p50']:.0f} | "
+                         f"{t}{d['p95']:.0f} | {d['max']} | {s.get('samples', '')} |")
     ks = r["ks_train_val_doc_tokens"]
+    approx = r.get("ks_approximate")
     lines += ["", f"Train / val drift (Kolmogorov-Smirnov statistic on document lengths): **{ks:.3f}** "
-              "(0 = same distribution; above ~0.1 the splits look different).", "",
+              "(0 = same distribution; above ~0.1 the splits look different)."
+              + (f" Approximate: percentiles, the histogram and this statistic come from a sample of at most "
+                 f"{MAX_LENGTH_SAMPLE} documents per split drawn by content hash." if approx else ""), "",
               f"![document lengths per split]({HISTOGRAM})", "",
               "A reproducible sample of documents for review is in `review_sample.jsonl`.", ""]
     return "\n".join(lines)

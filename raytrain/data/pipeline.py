@@ -1,0 +1,383 @@
+"""Driver side of `raytrain prepare`: runs the stages of data/stages.py as one Ray Data pipeline on the cluster's
+CPUs (engine=ray), or in this process for small inputs (engine=local: same functions, same bytes out).
+
+    read files ─ map_batches(normalise + sign) ─ materialize S (object store; spills to disk)
+      S ─ map_batches(explode LSH bands) ─ groupby(band group).map_groups(bucket_drops) ─ near-dup markers
+      S ─ sample (by hash) ─ driver trains the tokenizer on it (bounded)
+      S kept ∪ markers ─ groupby(partition).map_groups(dedup, split, tokenize, pack, stats) ─ materialize F
+      F rows ─ map_batches(global row number, shard) ─ groupby(shard).map_groups(write shard files)
+Only counts, the tokenizer sample, per-partition statistics and one manifest entry per shard reach the driver.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import math
+import os
+import threading
+import time
+from collections import Counter
+from typing import Callable, Optional
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from raytrain import storage
+from raytrain.data import minhash, stages
+from raytrain.data.corpus import BUILTIN, python_docs
+from raytrain.data.inputs import _user_error_in, expand, read_file, use_ray
+from raytrain.data.report import MAX_LENGTH_SAMPLE
+from raytrain.errors import UserError
+
+PART_BYTES = 8 << 20  # input bytes per output partition: the unit of dedup, packing and tokenizing work
+LOCAL_MAX_BYTES = 32 << 20  # engine=auto: smaller inputs are prepared in this process (Ray start-up costs more)
+TOKENIZER_SAMPLE_CHARS = 200 << 20  # a cap on the tokenizer sample however large its documents
+OBJECT_STORE_BYTES = 1 << 30  # a local Ray instance started by prepare: above this, blocks spill to disk
+NORMALISE_BATCH = 2048
+
+
+class Progress:
+    """Documents and bytes per stage, reported by the tasks once per batch; the driver logs a line every few seconds."""
+
+    def __init__(self):
+        self.stages: dict[str, list] = {}
+
+    def add(self, stage: str, docs: int, nbytes: int) -> None:
+        now = time.monotonic()
+        s = self.stages.setdefault(stage, [0, 0, now, now])
+        s[0] += docs
+        s[1] += nbytes
+        s[3] = now
+
+    def snapshot(self) -> dict:
+        return {k: (v[0], v[1], v[3] - v[2]) for k, v in self.stages.items()}
+
+
+class _ActorProgress:
+    def __init__(self, handle):
+        self.handle = handle
+
+    def add(self, stage: str, docs: int, nbytes: int) -> None:
+        self.handle.add.remote(stage, docs, nbytes)
+
+
+class _Reporter:
+    """Logs the stages that moved, at most every `every` seconds while the pipeline runs (never per record)."""
+
+    def __init__(self, snapshot: Callable[[], dict], log, every: float = 5.0):
+        self.snapshot, self.log, self.every = snapshot, log, every
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._seen: dict[str, int] = {}
+
+    def __enter__(self):
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self):
+        while not self._stop.wait(self.every):
+            self.tick()
+
+    def tick(self):
+        try:
+            snap = self.snapshot()
+        except Exception:  # noqa: BLE001 - progress is best effort; the pipeline reports real failures
+            return
+        moved = [(k, v) for k, v in snap.items() if self._seen.get(k) != v[0]]
+        self._seen.update({k: v[0] for k, v in moved})
+        if moved:
+            self.log("prepare: " + "; ".join(
+                f"{stage} {docs:,} documents, {nbytes / 2**20:.1f} MB"
+                + (f", {nbytes / 2**20 / dt:.1f} MB/s" if dt > 1 else "") for stage, (docs, nbytes, dt) in moved))
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+class Sources:
+    """The inputs, expanded (bad globs fail here, before any work), with their total size."""
+
+    def __init__(self, cfg):
+        self.uris: list[str] = []
+        self.builtin: list[str] = []
+        nbytes = 0
+        for spec in cfg.inputs:
+            if spec in BUILTIN:
+                docs = list(python_docs(cfg.max_chars))
+                self.builtin += docs
+                nbytes += sum(len(d) for d in docs)
+                continue
+            uris = expand(spec)
+            self.uris += uris
+            nbytes += _sizes(uris)
+        self.bytes = nbytes
+        # A function of the inputs only, never of the cluster: the output depends on it.
+        self.n_parts = max(1, math.ceil(nbytes / PART_BYTES))
+
+
+def _sizes(uris: list[str]) -> int:
+    total = 0
+    for u in uris:
+        try:
+            if storage.is_remote(u):
+                fs, path = storage.resolve(u)
+                total += max(0, fs.get_file_info(path).size or 0)
+            else:
+                total += os.path.getsize(u)
+        except OSError:
+            pass  # unreadable files are named when they are read
+    return total
+
+
+def _read_batch(batch: pa.Table, **kw) -> pa.Table:
+    rows = [r for uri in batch.column("uri").to_pylist() for r in read_file(uri, **kw)]
+    return pa.table({"text": pa.array([t for t, _ in rows], pa.large_string()),
+                     "utf8": pa.array([s for _, s in rows], pa.string())})
+
+
+def _builtin_table(docs: list[str]) -> pa.Table:
+    return pa.table({"text": pa.array(docs, pa.large_string()), "utf8": pa.array(["ok"] * len(docs), pa.string())})
+
+
+def _kept_docs(batch: pa.Table) -> pa.Table:
+    b = batch.filter(pc.equal(batch.column("reason"), ""))
+    return pa.table({"text": b.column("text"), "h": b.column("h"), "k": b.column("k"), "part": b.column("part"),
+                     "val": b.column("val"), "marker": pa.array(np.zeros(b.num_rows, bool))})
+
+
+def _markers(batch: pa.Table, *, n_parts: int) -> pa.Table:
+    k = batch.column("k").to_numpy()
+    n = len(k)
+    return pa.table({"text": pa.array([""] * n, pa.large_string()), "h": pa.array([b"\0" * 16] * n, pa.binary(16)),
+                     "k": pa.array(k, pa.uint64()), "part": pa.array(stages.partition_of(k, n_parts)),
+                     "val": pa.array(np.zeros(n, bool)), "marker": pa.array(np.ones(n, bool))})
+
+
+def _sample_batch(batch: pa.Table, *, frac: float, seed: int) -> pa.Table:
+    k = batch.column("k").to_numpy()
+    u = stages.unit(k, seed, "tokenizer")
+    keep = (pc.equal(batch.column("reason"), "").to_numpy(zero_copy_only=False)
+            & ~batch.column("val").to_numpy(zero_copy_only=False) & (u < frac))
+    b = batch.filter(pa.array(keep))
+    return pa.table({"u": pa.array(u[keep]), "h": b.column("h"), "text": b.column("text")})
+
+
+def _stats_batch(batch: pa.Table) -> pa.Table:
+    return batch.filter(pc.equal(batch.column("kind"), "stats")).select(["stats"])
+
+
+def tokenizer_sample(rows: list[dict], limit: int) -> list[str]:
+    """The sample's documents, deterministic: smallest hash draws first, one copy each, bounded; in hash order."""
+    rows = sorted(rows, key=lambda r: (r["u"], r["h"]))
+    seen, picked, chars = set(), [], 0
+    for r in rows:
+        if r["h"] in seen:
+            continue
+        if (limit and len(picked) >= limit) or chars >= TOKENIZER_SAMPLE_CHARS:
+            break
+        seen.add(r["h"])
+        picked.append(r)
+        chars += len(r["text"])
+    return [r["text"] for r in sorted(picked, key=lambda r: r["h"])]
+
+
+def merge_stats(stats: list[dict], review_n: int) -> dict:
+    """Per-partition statistics -> totals, bottom-k length samples and the review sample."""
+    counts: Counter = Counter()
+    splits: dict[str, dict] = {}
+    rows_by_part: dict[str, dict[int, int]] = {"train": {}, "val": {}}
+    for part, s in stats:
+        counts.update(s["counts"])
+        for name, x in s["splits"].items():
+            t = splits.setdefault(name, {"documents": 0, "tokens": 0, "max": 0, "rows": 0, "lengths": [], "review": []})
+            t["documents"] += x["documents"]
+            t["tokens"] += x["tokens"]
+            t["max"] = max(t["max"], x["max"])
+            t["rows"] += x["rows"]
+            t["lengths"] = stages._bottom(t["lengths"] + [tuple(p) for p in x["lengths"]], MAX_LENGTH_SAMPLE)
+            t["review"] = stages._bottom(t["review"] + [tuple(p) for p in x["review"]], review_n)
+            rows_by_part[name][part] = x["rows"]
+    offsets = {}
+    for name, per in rows_by_part.items():
+        acc, offsets[name] = 0, {}
+        for p in sorted(per):
+            offsets[name][p] = acc
+            acc += per[p]
+    return {"counts": counts, "splits": splits, "offsets": offsets}
+
+
+def _stage_kwargs(cfg, src: Sources) -> dict:
+    near = cfg.near_dup_threshold < 1.0
+    bands, rows = minhash.lsh_params(cfg.near_dup_threshold, minhash.NUM_PERM) if near else (0, 0)
+    return dict(min_chars=cfg.min_chars, max_doc_chars=cfg.max_doc_chars, near=near, bands=bands, rows=rows,
+                seed=cfg.seed, n_parts=src.n_parts, val_fraction=cfg.val_fraction)
+
+
+def run(cfg, out: str, make_tokenizer: Callable[[Optional[list[str]]], tuple], log) -> dict:
+    """Runs the stages; returns {counts, splits (merged stats), shards: {split: {fmt: [entries]}}, reused, written,
+    tok, eot_id, engine}. make_tokenizer(sample or None) -> (tokenizer, eot_id); None: no sample needed."""
+    src = Sources(cfg)
+    engine = cfg.engine
+    if engine == "auto":
+        # Small inputs in this process even on a cluster: starting the pipeline costs more than they take.
+        engine = "ray" if src.bytes >= LOCAL_MAX_BYTES else "local"
+    ray_engine = use_ray(engine, OBJECT_STORE_BYTES)
+    log(f"prepare: {len(src.uris) + (1 if src.builtin else 0)} input(s), {src.bytes / 2**20:.1f} MB, "
+        f"{src.n_parts} partition(s), engine {'ray' if ray_engine else 'local'}")
+    try:
+        return (_run_ray if ray_engine else _run_local)(cfg, src, out, make_tokenizer, log)
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 - unwrap our one-line errors from Ray tasks
+        msg = _user_error_in(e)
+        if msg:
+            raise UserError(msg) from None
+        raise
+
+
+def _read_kw(cfg) -> dict:
+    return {"text_field": cfg.text_field, "text_mode": cfg.text_mode, "invalid_utf8": cfg.invalid_utf8}
+
+
+def _finish(cfg, src, counts_rows, make_tokenizer, sample_fn, log):
+    counts: Counter = Counter()
+    for r in counts_rows:
+        counts[r["what"]] += r["n"]
+    n_kept = counts.pop("", 0)
+    counts = Counter({k: v for k, v in counts.items() if v})
+    counts["input"] = n_kept + sum(v for k, v in counts.items() if k.startswith("dropped_"))
+    if not n_kept:
+        raise UserError(f"no usable documents in inputs {cfg.inputs} (all empty or shorter than min_chars={cfg.min_chars})")
+    sample = None
+    if not cfg.tokenizer:
+        frac = 1.0 if not cfg.tokenizer_sample_docs else min(1.0, 2.0 * cfg.tokenizer_sample_docs / n_kept)
+        sample = tokenizer_sample(sample_fn(frac), cfg.tokenizer_sample_docs)
+        log(f"prepare: training the tokenizer on {len(sample):,} documents")
+    tok, eot_id = make_tokenizer(sample)
+    return counts, tok, eot_id, n_kept
+
+
+def _run_local(cfg, src: Sources, out: str, make_tokenizer, log) -> dict:
+    prog = Progress()
+    kw = _stage_kwargs(cfg, src)
+    with _Reporter(prog.snapshot, log):
+        raw = [_builtin_table(src.builtin)]
+        raw += [_read_batch(pa.table({"uri": [u]}), **_read_kw(cfg)) for u in src.uris]
+        raw = pa.concat_tables(raw)
+        S = pa.concat_tables([stages.normalise_batch(raw.slice(i, NORMALISE_BATCH), progress=prog, **kw)
+                              for i in range(0, max(raw.num_rows, 1), NORMALISE_BATCH)])
+        counts, tok, eot_id, n_kept = _finish(cfg, src, stages.count_batch(S).to_pylist(), make_tokenizer,
+                                      lambda frac: _sample_batch(S, frac=frac, seed=cfg.seed).to_pylist(), log)
+        parts = [_kept_docs(S)]
+        if kw["near"]:
+            drops = stages.bucket_drops(stages.explode_bands(S, n_groups=1))
+            parts.append(_markers(drops, n_parts=src.n_parts))
+        docs = pa.concat_tables(parts)
+        fin_kw = _finalize_kwargs(cfg, tok, eot_id, n_kept)
+        part_col = docs.column("part").to_numpy()
+        F = pa.concat_tables([stages.finalize_partition(docs.filter(pa.array(part_col == p)), progress=prog, **fin_kw)
+                              for p in np.unique(part_col)])
+        merged = merge_stats([(r["part"], json.loads(r["stats"])) for r in
+                              F.filter(pc.equal(F.column("kind"), "stats")).select(["part", "stats"]).to_pylist()],
+                             cfg.review_samples)
+        _check_train(merged, cfg)
+        rows = stages.assign_shards(F, offsets=merged["offsets"], shard_rows=cfg.shard_rows)
+        keys = rows.column("key").to_numpy(zero_copy_only=False)
+        written = [stages.write_shard_group(rows.filter(pa.array(keys == key)), progress=prog, **_write_kwargs(cfg, out))
+                   for key in sorted(set(keys.tolist()))]
+    return _result(merged, counts, pa.concat_tables(written).to_pylist() if written else [], tok, eot_id, "local")
+
+
+def _finalize_kwargs(cfg, tok, eot_id, n_kept: int) -> dict:
+    def cut(n, share):  # twice the expected need: the bottom-k of the whole split lies below it
+        return 1.0 if share <= 0 else min(1.0, 2.0 * n / max(1.0, n_kept * share) + 1e-9)
+
+    cutoffs = {"train": cut(MAX_LENGTH_SAMPLE, 1 - cfg.val_fraction), "val": cut(MAX_LENGTH_SAMPLE, cfg.val_fraction),
+               "review": cut(max(cfg.review_samples, 100), 1 - cfg.val_fraction)}
+    return dict(tok_json=tok.to_str(), eot_id=eot_id, window=cfg.seq_len + 1, pii=cfg.pii_scrub,
+                review_n=cfg.review_samples, seed=cfg.seed, cutoffs=cutoffs)
+
+
+def _write_kwargs(cfg, out) -> dict:
+    return dict(out=out, formats=list(cfg.formats), window=cfg.seq_len + 1, shard_rows=cfg.shard_rows)
+
+
+def _check_train(merged: dict, cfg) -> None:
+    if not merged["splits"].get("train", {}).get("rows"):
+        raise UserError(f"train split has fewer than seq_len+1={cfg.seq_len + 1} tokens; use more text or a smaller seq_len")
+
+
+def _result(merged, counts, written_rows, tok, eot_id, engine) -> dict:
+    shards: dict[str, dict[str, list]] = {"train": {}, "val": {}}
+    reuse = {"train": [0, 0], "val": [0, 0]}
+    for r in sorted(written_rows, key=lambda r: (r["split"], r["index"])):
+        entries = json.loads(r["entries"])
+        for fmt, entry in entries.items():
+            shards[r["split"]].setdefault(fmt, []).append(entry)
+        reuse[r["split"]][0] += r["reused"]
+        reuse[r["split"]][1] += len(entries) - r["reused"]
+    counts.update({k: v for k, v in merged["counts"].items() if v})
+    return {"counts": counts, "splits": merged["splits"], "shards": shards, "reuse": reuse, "tok": tok,
+            "eot_id": eot_id, "engine": engine}
+
+
+def _run_ray(cfg, src: Sources, out: str, make_tokenizer, log) -> dict:
+    import ray
+    import ray.data
+
+    # Ray Data's own logging (operator start lines, a warning that bars are off, a second copy of any task
+    # error) stays out of prepare's output; failures still arrive as exceptions, read below.
+    logging.getLogger("ray.data").setLevel(logging.CRITICAL)
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = False  # our own throttled progress lines instead of per-operator bars
+    ctx.print_on_execution_start = False
+    actor = ray.remote(Progress).options(num_cpus=0).remote()
+    prog = _ActorProgress(actor)
+    kw = _stage_kwargs(cfg, src)
+    with _Reporter(lambda: ray.get(actor.snapshot.remote(), timeout=10), log):
+        pieces = []
+        if src.uris:
+            pieces.append(ray.data.from_items([{"uri": u} for u in src.uris], override_num_blocks=len(src.uris))
+                          .map_batches(functools.partial(_read_batch, **_read_kw(cfg)), batch_size=1,
+                                       batch_format="pyarrow"))
+        if src.builtin:
+            pieces.append(ray.data.from_arrow(_builtin_table(src.builtin)))
+        raw = pieces[0].union(*pieces[1:]) if len(pieces) > 1 else pieces[0]
+        S = raw.map_batches(stages.normalise_batch, batch_size=NORMALISE_BATCH, batch_format="pyarrow",
+                            fn_kwargs={**kw, "progress": prog}).materialize()
+        counts, tok, eot_id, n_kept = _finish(
+            cfg, src, S.map_batches(stages.count_batch, batch_size=None, batch_format="pyarrow").take_all(),
+            make_tokenizer,
+            lambda frac: S.map_batches(_sample_batch, batch_size=None, batch_format="pyarrow",
+                                       fn_kwargs={"frac": frac, "seed": cfg.seed}).take_all(), log)
+        docs = S.map_batches(_kept_docs, batch_size=None, batch_format="pyarrow")
+        if kw["near"]:
+            n_groups = max(1, src.n_parts)
+            markers = (S.select_columns(["reason", "k", "bands"])
+                       .map_batches(stages.explode_bands, batch_size=None, batch_format="pyarrow",
+                                    fn_kwargs={"n_groups": n_groups})
+                       .groupby("g").map_groups(stages.bucket_drops, batch_format="pyarrow")
+                       .map_batches(_markers, batch_size=None, batch_format="pyarrow",
+                                    fn_kwargs={"n_parts": src.n_parts}))
+            docs = docs.union(markers)
+        log("prepare: de-duplicating, tokenizing and packing")
+        F = docs.groupby("part").map_groups(stages.finalize_partition, batch_format="pyarrow",
+                                            fn_kwargs={**_finalize_kwargs(cfg, tok, eot_id, n_kept), "progress": prog}
+                                            ).materialize()
+        stats_rows = F.map_batches(lambda b: b.filter(pc.equal(b.column("kind"), "stats")).select(["part", "stats"]),
+                                   batch_size=None, batch_format="pyarrow").take_all()
+        merged = merge_stats([(r["part"], json.loads(r["stats"])) for r in stats_rows], cfg.review_samples)
+        _check_train(merged, cfg)
+        log("prepare: writing shards")
+        written = (F.map_batches(stages.assign_shards, batch_size=None, batch_format="pyarrow",
+                                 fn_kwargs={"offsets": merged["offsets"], "shard_rows": cfg.shard_rows})
+                   .groupby("key").map_groups(stages.write_shard_group, batch_format="pyarrow",
+                                              fn_kwargs={**_write_kwargs(cfg, out), "progress": prog})
+                   .take_all())
+    ray.kill(actor)
+    return _result(merged, counts, written, tok, eot_id, "ray")

@@ -1,0 +1,234 @@
+"""Worker-side stages of `raytrain prepare`, as pure functions on Arrow tables (Ray Data tasks and the in-process
+engine run the same code): normalise + sign, LSH bucket drops, per-partition finalise (dedup, split, tokenize,
+pack, statistics) and shard writing.
+
+Every decision depends on a document's content hash only - its partition, its split, whether it is the copy
+kept among duplicates, its place in the output - never on batch boundaries, block counts or task order, so the
+same inputs give byte-identical shards on any cluster.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import json
+from collections import Counter
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from raytrain import storage
+from raytrain.data import minhash
+from raytrain.data.quality import normalise, scrub_pii
+from raytrain.data.report import MAX_LENGTH_SAMPLE
+
+_SALT = {"split": 0x51, "tokenizer": 0x7A, "lengths": 0x1E, "review": 0x4E}
+_TWO64 = float(2**64)
+
+
+def unit(k: np.ndarray, seed: int, what: str) -> np.ndarray:
+    """A uniform [0, 1) number per document from its hash, the seed and a purpose: splits and samples."""
+    x = np.asarray(k, np.uint64) ^ minhash._mix(np.array([seed * 131 + _SALT[what]], np.uint64))[0]
+    return minhash._mix(x).astype(np.float64) / _TWO64
+
+
+def partition_of(k: np.ndarray, n_parts: int) -> np.ndarray:
+    return ((np.asarray(k, np.uint64) >> np.uint64(1)) % np.uint64(n_parts)).astype(np.int64)
+
+
+def normalise_batch(batch: pa.Table, *, min_chars: int, max_doc_chars: int, near: bool, bands: int, rows: int,
+                    seed: int, n_parts: int, val_fraction: float, progress=None) -> pa.Table:
+    """Raw documents (text, utf8) -> one row each: normalised text ("" when dropped), why it was dropped (""
+    when kept), 128-bit content hash h, its first 8 bytes k, partition, split and LSH band keys."""
+    texts, status = batch.column("text").to_pylist(), batch.column("utf8").to_pylist()
+    out_text, reason, hs = [], [], []
+    for raw, st in zip(texts, status):
+        why = ""
+        text = "" if raw is None else normalise(raw)
+        if raw is None:
+            why = "dropped_invalid_utf8"
+        elif not text:
+            why = "dropped_empty"
+        elif len(text) < min_chars:
+            why = "dropped_short"
+        elif max_doc_chars and len(text) > max_doc_chars:
+            why = "dropped_long"
+        if why:
+            text = ""
+        reason.append(why)
+        out_text.append(text)
+        hs.append(hashlib.sha256(text.encode()).digest()[:16])
+    k = np.frombuffer(b"".join(h[:8] for h in hs), dtype=">u8").astype(np.uint64) if hs else np.zeros(0, np.uint64)
+    kept = np.array([not r for r in reason], bool)
+    cols = {
+        "text": pa.array(out_text, pa.large_string()),
+        "reason": pa.array(reason, pa.string()),
+        "replaced": pa.array(np.array([s == "replaced" for s in status], np.int8)),
+        "h": pa.array(hs, pa.binary(16)),
+        "k": pa.array(k),
+        "part": pa.array(partition_of(k, n_parts)),
+        "val": pa.array(unit(k, seed, "split") < val_fraction),
+    }
+    if near:
+        keys = np.zeros((len(hs), bands), np.uint64)
+        if kept.any():
+            keys[kept] = minhash.band_keys(minhash.signatures(cols["text"].filter(pa.array(kept)), seed=seed),
+                                           bands, rows)
+        cols["bands"] = pa.FixedSizeListArray.from_arrays(pa.array(keys.reshape(-1)), bands)
+    if progress is not None:
+        progress.add("normalise", len(hs), sum(len(t) for t in texts if t))
+    return pa.table(cols)
+
+
+def count_batch(batch: pa.Table) -> pa.Table:
+    """Per-block counts of drop reasons and replaced UTF-8 (summed on the driver)."""
+    c = Counter(batch.column("reason").to_pylist())
+    c["invalid_utf8_replaced"] = int(pc.sum(batch.column("replaced")).as_py() or 0)
+    return pa.table({"what": list(c), "n": [int(v) for v in c.values()]})
+
+
+def explode_bands(batch: pa.Table, *, n_groups: int) -> pa.Table:
+    """One row per (kept document, band): bucket key bk (band index mixed in), document k, and a coarse group."""
+    kept = pc.equal(batch.column("reason"), "")
+    b = batch.filter(kept)
+    if not b.num_rows:
+        return pa.table({"bk": pa.array([], pa.uint64()), "k": pa.array([], pa.uint64()), "g": pa.array([], pa.int64())})
+    bands = b.column("bands").combine_chunks()
+    nb = bands.type.list_size
+    bk = bands.flatten().to_numpy()
+    k = np.repeat(b.column("k").to_numpy(), nb)
+    return pa.table({"bk": bk, "k": k, "g": (bk % np.uint64(n_groups)).astype(np.int64)})
+
+
+def bucket_drops(group: pa.Table) -> pa.Table:
+    """Documents that share an LSH bucket with a document of smaller hash: dropped as near duplicates.
+
+    A one-hop rule, not connected components: the document with the smallest hash in every bucket it is in is
+    kept, so a chain a~b~c where a and c are not alike can keep c when b is dropped only through a."""
+    bk, k = group.column("bk").to_numpy(), group.column("k").to_numpy()
+    order = np.lexsort((k, bk))
+    bk, k = bk[order], k[order]
+    first = np.ones(len(bk), bool)
+    first[1:] = bk[1:] != bk[:-1]
+    bucket_min = k[np.maximum.accumulate(np.where(first, np.arange(len(bk)), 0))]
+    drop = np.unique(k[k != bucket_min])  # copies of the same document (same k) never drop each other
+    return pa.table({"k": pa.array(drop, pa.uint64())})
+
+
+_TOKENIZERS: dict[str, object] = {}
+
+
+def _tokenizer(tok_json: str):
+    key = hashlib.sha256(tok_json.encode()).hexdigest()
+    if key not in _TOKENIZERS:
+        from tokenizers import Tokenizer
+
+        _TOKENIZERS.clear()
+        _TOKENIZERS[key] = Tokenizer.from_str(tok_json)
+    return _TOKENIZERS[key]
+
+
+def _bottom(pairs, n: int) -> list:
+    return heapq.nsmallest(n, pairs, key=lambda p: p[0])
+
+
+def finalize_partition(group: pa.Table, *, tok_json: str, eot_id: int, window: int, pii: bool, review_n: int,
+                       seed: int, cutoffs: dict, progress=None) -> pa.Table:
+    """One partition's documents (+ near-duplicate markers) -> packed rows per split, and one stats row.
+
+    Documents are taken in content-hash order, so the rows depend only on which documents the partition holds.
+    Sample candidates are only those whose hash draw is below the split's cutoff (about twice the sample size
+    over the whole corpus), so what the driver merges stays bounded however many partitions there are."""
+    counts: Counter = Counter()
+    marker = group.column("marker").to_numpy(zero_copy_only=False)
+    near = set(group.column("k").to_numpy()[marker].tolist())
+    docs = group.filter(pa.array(~marker))
+    docs = docs.take(pc.sort_indices(docs, [("h", "ascending")]))
+    h = docs.column("h").to_pylist()
+    first = [i == 0 or h[i] != h[i - 1] for i in range(len(h))]
+    counts["dropped_exact_duplicate"] = len(h) - sum(first)
+    docs = docs.filter(pa.array(first))
+    k = docs.column("k").to_numpy()
+    is_near = np.isin(k, np.fromiter(near, np.uint64, len(near))) if near else np.zeros(len(k), bool)
+    counts["dropped_near_duplicate"] = int(is_near.sum())
+    docs, k = docs.filter(pa.array(~is_near)), k[~is_near]
+    texts = docs.column("text").to_pylist()
+    if pii:
+        texts = [scrub_pii(t, counts) for t in texts]
+    val = docs.column("val").to_numpy(zero_copy_only=False)
+    tok = _tokenizer(tok_json)
+    out_rows, stats = [], {"counts": {}, "splits": {}}
+    u_len, u_rev = unit(k, seed, "lengths"), unit(k, seed, "review")
+    for split, mask in (("train", ~val), ("val", val)):
+        idx = np.flatnonzero(mask)
+        lens = np.zeros(len(idx), np.int64)
+        pieces = []
+        for s in range(0, len(idx), 1000):  # encode in chunks: Encoding objects are large, ids are kept as int32
+            enc = tok.encode_batch_fast([texts[i] for i in idx[s:s + 1000]])
+            for j, e in enumerate(enc):
+                ids = np.asarray(e.ids, np.int32)
+                lens[s + j] = len(ids)
+                pieces.append(ids)
+                pieces.append(np.array([eot_id], np.int32))
+            if progress is not None:
+                progress.add("tokenize", len(enc), sum(len(texts[i]) for i in idx[s:s + 1000]))
+        flat = np.concatenate(pieces) if pieces else np.zeros(0, np.int32)
+        n = len(flat) // window
+        rows = flat[: n * window].reshape(n, window)
+        out_rows.append((split, rows))
+        stats["splits"][split] = {
+            "documents": int(len(idx)), "tokens": int(lens.sum()), "max": int(lens.max()) if len(lens) else 0,
+            "rows": int(n),
+            "lengths": _bottom(((u, n) for u, n in zip(u_len[idx].tolist(), lens.tolist())
+                                if u < cutoffs[split]), MAX_LENGTH_SAMPLE),
+            "review": _bottom(((u, texts[i]) for u, i in zip(u_rev[idx].tolist(), idx) if u < cutoffs["review"]),
+                              review_n) if split == "train" else [],
+        }
+    counts["kept"] = len(texts)
+    stats["counts"] = dict(counts)
+    part = int(group.column("part")[0].as_py()) if group.num_rows else 0
+    tables = [_rows_table(split, part, rows, window) for split, rows in out_rows]
+    tables.append(pa.table({"kind": ["stats"], "split": [""], "part": [part], "seq": [0],
+                            "tokens": pa.array([None], pa.list_(pa.int32())),
+                            "stats": pa.array([json.dumps(stats)], pa.large_string())}))
+    return pa.concat_tables(tables)
+
+
+def _rows_table(split: str, part: int, rows: np.ndarray, window: int) -> pa.Table:
+    n = len(rows)
+    return pa.table({
+        "kind": pa.array(["rows"] * n, pa.string()), "split": pa.array([split] * n, pa.string()),
+        "part": pa.array(np.full(n, part, np.int64)), "seq": pa.array(np.arange(n, dtype=np.int64)),
+        "tokens": pa.ListArray.from_arrays(pa.array(np.arange(0, n * window + 1, window, dtype=np.int32)),
+                                           pa.array(rows.reshape(-1), pa.int32())),
+        "stats": pa.array([None] * n, pa.large_string()),
+    })
+
+
+def assign_shards(batch: pa.Table, *, offsets: dict, shard_rows: int) -> pa.Table:
+    """Packed rows -> their global row number in the split (partitions in order) and their shard."""
+    b = batch.filter(pc.equal(batch.column("kind"), "rows"))
+    split, part, seq = (b.column(c).to_numpy(zero_copy_only=False) for c in ("split", "part", "seq"))
+    g = np.array([offsets[s][p] for s, p in zip(split.tolist(), part.tolist())], np.int64) + seq if len(seq) else seq
+    shard = g // shard_rows
+    key = np.array([f"{s}/{x:08d}" for s, x in zip(split.tolist(), shard.tolist())], object)
+    return pa.table({"key": pa.array(key, pa.string()), "split": b.column("split"), "g": pa.array(g, pa.int64()),
+                     "tokens": b.column("tokens")})
+
+
+def write_shard_group(group: pa.Table, *, out: str, formats: list[str], window: int, shard_rows: int,
+                      progress=None) -> pa.Table:
+    """One shard's rows -> its files (one per format), skipped when an earlier run wrote the same bytes."""
+    from raytrain.data.shards import write_shard
+
+    group = group.take(pc.sort_indices(group, [("g", "ascending")]))
+    split = group.column("split")[0].as_py()
+    start = int(group.column("g")[0].as_py())
+    rows = np.asarray(group.column("tokens").combine_chunks().flatten().to_numpy(), np.int32).reshape(-1, window)
+    entries, reused = write_shard(storage.join(out, split), start // shard_rows, start, rows, formats)
+    if progress is not None:
+        progress.add("write", len(rows), sum(e["bytes"] for e in entries.values()))
+    return pa.table({"split": [split], "index": [start // shard_rows], "entries": [json.dumps(entries)],
+                     "reused": [reused]})
+
