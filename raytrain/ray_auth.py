@@ -70,4 +70,4 @@ def _refresh_ray_config() -> None:
 
 if __name__ == "__main__":  # scripts/_env.sh: `python -m raytrain.ray_auth` prints where the token lives
     created = ensure_token()
-    print(("[setup] created a Ray auth token. " if created else "[setup] ") + where())
+    print(("created a new token. " if created else "") + where())

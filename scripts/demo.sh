@@ -74,7 +74,7 @@ python - "$RUN_NAME" <<'PY'
 import asyncio, logging, os, sys
 from ray.job_submission import JobStatus, JobSubmissionClient
 
-logging.getLogger("ray").setLevel(logging.WARNING)  # the SDK's own "WebSocket closed" line
+logging.getLogger("ray.dashboard.modules.job.sdk").setLevel(logging.WARNING)  # its own "WebSocket closed" line
 
 client, job = JobSubmissionClient(os.environ["RAY_ADDRESS"]), sys.argv[1]
 

@@ -31,6 +31,7 @@ def test_demo_from_an_empty_home_creates_a_token_and_prints_a_short_clean_log(tm
     out = subprocess.run([str(ROOT / "scripts" / "demo.sh")], cwd=tmp_path, env=env, capture_output=True, text=True,
                          timeout=900)
     text = out.stdout + out.stderr
+    (tmp_path / "demo.log").write_text(text)  # what a person saw, kept for a failure's reader
     assert out.returncode == 0, text[-4000:]
 
     # The token was created where Ray looks for it, private to the user, and the script said where.
