@@ -6,6 +6,7 @@ Parts (see raytrain/bench/parts.py):
   checkpoint  save / restore MB/s to a local S3-protocol server (moto) vs raw boto3; async vs sync upload stall
   recovery    seconds from a worker SIGKILL to the first resumed step; steps lost
   gpu         MFU of GPT-2-124M and a ~1B Llama in bf16 vs plain PyTorch + DeepSpeed (skipped without CUDA)
+  dataplane   the sample plan alone at N = 8..1024 on a synthetic 1 TB manifest: read amplification, per-worker cost
 
 Usage: .venv/bin/python scripts/bench.py [--quick] [--parts overhead,ingest,...] [--json out.json] [--markdown]
 --quick finishes in under 10 minutes on 2 CPU cores. Everything runs on 127.0.0.1.
@@ -26,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-PARTS = ("overhead", "ingest", "checkpoint", "recovery", "gpu")
+PARTS = ("overhead", "ingest", "checkpoint", "recovery", "gpu", "dataplane")
 
 
 def versions() -> dict:
@@ -170,6 +171,11 @@ def main(argv: list[str] | None = None) -> dict:
         if "gpu" in parts:
             section("5. GPU MFU (bf16, SDPA) vs plain PyTorch + DeepSpeed",
                     lambda: P.gpu(tmp, args.quick))
+        if "dataplane" in parts:
+            from raytrain.bench.dataplane import dataplane
+
+            section("6. dataplane: the sample plan alone (no data), 1 TB of 2049-token rows in 1024-row units",
+                    dataplane)
     finally:
         if moto is not None:
             moto.terminate()

@@ -67,3 +67,14 @@ def test_too_small_a_split_or_an_uneven_split_of_lanes_is_explained():
         _plan(gb=10_000)
     with pytest.raises(UserError, match="multiple of the worker count"):
         _plan(gb=16).lanes_of(0, 3)
+
+
+def test_simulation_keeps_read_amplification_near_one_and_per_worker_cost_flat_in_n():
+    from raytrain.bench.dataplane import dataplane
+
+    figs = {f["workers"]: f for f in dataplane(log=lambda *_: None, workers=(8, 64, 512), batches=(512,),
+                                                corpus_bytes=10 ** 11)}
+    assert all(f["met"] and f["value"] <= 1.1 for f in figs.values())
+    assert figs[512]["cache_units"] <= figs[64]["cache_units"] <= figs[8]["cache_units"] <= 512 // 8
+    assert figs[512]["units_per_worker_step"] <= figs[8]["units_per_worker_step"]
+    assert figs[512]["ranks_per_unit_max"] <= 2
