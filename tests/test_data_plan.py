@@ -58,8 +58,16 @@ def test_a_lane_stays_in_one_unit_at_a_time_and_reads_it_sequentially_in_unit_or
         changes = np.flatnonzero(np.diff(seq)) + 1
         assert len(set(seq.tolist())) == len(changes) + 1  # never returns to a unit it left
         assert all(b - a == 10 for a, b in zip(np.r_[0, changes], np.r_[changes, len(seq)]))
-    planned = [u for _, u in p.lane_units(0, (0, 8))]
-    assert sorted(planned) == sorted(set(units.ravel().tolist()))
+    for lanes, unit_rows in (((0, 8), 10), ((2, 5), 10), ((0, 8), 7), ((3, 6), 7)):  # 7: units cut by lanes
+        p = _plan(gb=8, unit_rows=unit_rows, rows=[40] * 20)
+        units = np.stack([p.step(s).units for s in range(p.steps_per_epoch)])
+        planned = {u: (f, e) for f, e, u in p.lane_units(0, lanes)}
+        used = units[:, lanes[0]:lanes[1]]
+        assert sorted(planned) == sorted(set(used.ravel().tolist()))
+        for u, (f, e) in planned.items():
+            steps = np.flatnonzero((used == u).any(axis=1))
+            assert (f, e) == (steps.min(), steps.max())
+        assert {u for f, e, u in p.lane_units(0, lanes, t0=35)} == {u for f, e, u in p.lane_units(0, lanes) if e >= 35}
 
 
 def test_too_small_a_split_or_an_uneven_split_of_lanes_is_explained():

@@ -154,25 +154,27 @@ class SamplePlan:
             rows = off
         return StepPlan(int(step), epoch, (lo, hi), self.unit_first_id[units] + rows, units, rows)
 
-    def lane_units(self, epoch: int, lanes: tuple[int, int], t0: int = 0) -> list[tuple[int, int]]:
-        """(first step in the epoch, unit) for every unit lanes [lo, hi) enter at or after epoch step t0, in the
-        order they are first needed: what a reader fetches ahead, a unit at a time."""
+    def lane_units(self, epoch: int, lanes: tuple[int, int], t0: int = 0) -> list[tuple[int, int, int]]:
+        """(first step, last step, unit) in this epoch for every unit lanes [lo, hi) use at or after epoch step
+        t0, in the order they are first needed: what a reader fetches ahead, and when it may let go.
+
+        Lanes [lo, hi) are one contiguous run of the epoch's row sequence, so this is a slice of the unit order."""
         lo, hi = lanes
-        order, starts = self.epoch_order(epoch)
         L = self.steps_per_epoch
-        out = []
-        for lane in range(lo, hi):
-            a, b = lane * L + t0, (lane + 1) * L
-            if a >= b:
-                continue
-            j0 = int(np.searchsorted(starts, a, side="right") - 1)
-            j1 = int(np.searchsorted(starts, b - 1, side="right") - 1)
-            for j in range(j0, j1 + 1):
-                out.append((max(int(starts[j]), a) - lane * L, int(order[j])))
-        out.sort()
-        seen, uniq = set(), []
-        for t, u in out:
-            if u not in seen:
-                seen.add(u)
-                uniq.append((t, u))
-        return uniq
+        order, starts = self.epoch_order(epoch)
+        a_end = min(hi * L, self.trained_per_epoch)
+        j0 = int(np.searchsorted(starts, lo * L, side="right") - 1)
+        j1 = int(np.searchsorted(starts, a_end - 1, side="right") - 1)
+        j = np.arange(j0, j1 + 1)
+        a = np.maximum(starts[j], lo * L)
+        b = np.minimum(starts[j] + self.unit_rows[order[j]], a_end)  # exclusive
+        one_lane = a // L == (b - 1) // L
+        # A unit cut by a lane boundary is used from the start of the later lane to the end of the earlier one.
+        first = np.where(one_lane, a % L, 0)
+        last = np.where(one_lane, (b - 1) % L, L - 1)
+        if t0:
+            # Resuming at step t0: only the parts still ahead count.
+            keep = last >= t0
+            j, first, last = j[keep], np.maximum(first[keep], t0), last[keep]
+        k = np.argsort(first, kind="stable")
+        return [(int(f), int(e), int(order[u])) for f, e, u in zip(first[k], last[k], j[k])]
