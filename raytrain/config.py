@@ -185,7 +185,7 @@ class CheckpointSection(_Section):
     staging_dir: Optional[str] = Field(None, description="local directory for the copy written before upload; default: the system temp dir")
     verify_on_resume: Literal["checksum", "size"] = Field("checksum", description="how the checkpoint to resume from is checked: sha256 of every file (reads it once more) or sizes only")
     on_preemption: bool = Field(True, description="checkpoint at once when a node is drained for preemption or a worker gets SIGTERM")
-    preemption_check_s: float = Field(2.0, ge=0, description="seconds between checks of Ray's preemption notice (a barrier across workers, so not every step); 0: every step")
+    preemption_check_s: float = Field(2.0, ge=0, description="unused: Ray's preemption notice is now read locally every step and agreed on through the step's loss all-reduce (kept so older configs still load)")
 
 
 class RunSection(_Section):

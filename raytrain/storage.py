@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import os
+import threading
 from pathlib import Path
 from typing import Optional
 from urllib.parse import urlparse
@@ -117,6 +118,12 @@ class ReadCounter:
     def __init__(self):
         self.bytes = 0
         self.opens = 0
+        self._lock = threading.Lock()  # readers run on several threads
+
+    def add(self, nbytes: int = 0, opens: int = 0) -> None:
+        with self._lock:
+            self.bytes += nbytes
+            self.opens += opens
 
 
 READS = ReadCounter()
@@ -143,7 +150,7 @@ class _CountedFile(io.RawIOBase):
 
     def read(self, n: int = -1) -> bytes:
         data = self._f.read() if n is None or n < 0 else self._f.read(n)
-        self._counter.bytes += len(data)
+        self._counter.add(len(data))
         return data
 
     def readinto(self, b) -> int:
@@ -162,7 +169,7 @@ def open_counted(uri: str, counter: Optional[ReadCounter] = None) -> io.RawIOBas
     counter = counter or READS
     fs, path = resolve(uri)
     f = fs.open_input_file(path)
-    counter.opens += 1
+    counter.add(opens=1)
     return _CountedFile(f, counter)
 
 

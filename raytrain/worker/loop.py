@@ -1,7 +1,7 @@
 """The per-worker training loop (runs inside each Ray Train worker). Readable top to bottom.
 
-Everything that is not "take a batch, step the engine" is a component it calls: the sample stream
-(data position), the checkpoint path, the evaluator and the run log.
+Everything that is not "take a batch, step the engine" is a component it calls: the data plane
+(this rank's rows by the sample plan, and the data position), the checkpoint path, the evaluator and the run log.
 """
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-import zlib
 
 import numpy as np
 import torch
@@ -18,12 +17,12 @@ import torch.distributed as dist
 from raytrain import storage
 from raytrain.config import Config
 from raytrain.data.manifest import Split
-from raytrain.data.stream import SampleStream
 from raytrain.ds_config import build_ds_config, lr_lambda, resolve_dtype
 from raytrain.errors import UserError
 from raytrain.model import build_model, compile_engine, flops_per_token, moe_aux_loss, param_counts
 from raytrain.worker import checkpoint as ckpt
 from raytrain.worker.comm import FAILURE_FILE as COMM_FAILURE_FILE, CommWatch
+from raytrain.worker.data_plane import DataPlane
 from raytrain.worker.evaluate import Evaluator, lm_loss
 from raytrain.worker.interval import CheckpointInterval, run_history
 from raytrain.worker.preemption import PreemptionNotice
@@ -80,17 +79,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     val_split = Split.from_dict(loop_config["val_split"]) if loop_config.get("val_split") else None
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    cuda = cfg.scaling.use_gpu and torch.cuda.is_available()
-    if cfg.scaling.use_gpu and not cuda:
-        # The process group is NCCL already; a CPU fallback would fail later with a cryptic NCCL error.
-        raise UserError(f"scaling.use_gpu=true but this worker's torch {torch.__version__} sees no CUDA device "
-                        f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): install a CUDA "
-                        "build of torch on the GPU nodes, or set scaling.use_gpu=false")
-    device = ray.train.torch.get_device() if cuda else torch.device("cpu")
-    torch.set_num_threads(max(1, int(cfg.scaling.cpus_per_worker)))
-    # Same seed on every rank: identical initial weights; data differs by slice, not by RNG.
-    torch.manual_seed(cfg.run.seed)
-    np.random.seed(cfg.run.seed)
+    cuda, device = _device(cfg, ray.train.torch)
 
     # Resume point first: the newest committed checkpoint in the run directory, whether this is a worker
     # restart inside one job or the same run submitted again. (Ray's own registry can miss the newest
@@ -130,12 +119,9 @@ def train_loop_per_worker(loop_config: dict) -> None:
     history = run_history(cfg.run_uri)
     state.restarts = max(state.restarts, history[1])
     boot["restore"] = time.time()
-    # Started only now: on small machines, Ray Data's start-up competing with DeepSpeed's
-    # initialisation slowed both down more than running them one after the other.
-    stream = SampleStream(train_split, cfg.run.seed, cfg.data.shuffle, cfg.data.shuffle_window, state.samples_seen,
-                          reader=loop_config.get("reader", "ray"), prefetch=cfg.data.prefetch_batches,
-                          read_cpus=cfg.scaling.data_cpus / max(1, world), background=True,
-                          stall_timeout_s=cfg.data.stall_timeout_s, on_bad_shard=cfg.data.on_bad_shard).start()
+    # This rank's rows of each global batch, by the sample plan, read ahead in the background.
+    data = DataPlane(train_split, cfg.run.seed, cfg.data.shuffle, cfg.global_batch, dp_rank, dp_size,
+                     state.samples_seen, cfg.data.stall_timeout_s, cfg.data.on_bad_shard, device)
 
     # Validation is small and read once, so a direct read beats starting a Ray Data pipeline for it.
     evaluate = Evaluator(val_split, cfg.data.eval_samples, cfg.batch.micro_batch_size, dp_rank, dp_size, device,
@@ -149,25 +135,12 @@ def train_loop_per_worker(loop_config: dict) -> None:
     interval.seed([r["ckpt_stall_s"] for r in log.history if isinstance(r.get("ckpt_stall_s"), (int, float))])
     notice = PreemptionNotice(rank, world, cfg.checkpoint.preemption_check_s, cfg.checkpoint.on_preemption,
                               carry_checkpoint=interval.auto, device=device)
-    config_yaml = cfg.to_yaml()
     mb, acc, gb, seq = cfg.batch.micro_batch_size, cfg.accumulation, cfg.global_batch, cfg.model.seq_len
     fpt = flops_per_token(n_active, cfg.model)
     tel = Telemetry(cfg, rank, world, cuda, fpt, log=say)  # metrics export, phase timers, health rules
-    # Names the collective a rank waits in; a timeout becomes a diagnosis, not a hang.
-    comm_file = storage.join(cfg.run_uri, COMM_FAILURE_FILE)
+    comm = _comm_watch(cfg, rank, world, cuda, tel)  # names the collective a rank waits in
     if rank == 0:
-        storage.delete_file(comm_file)  # an earlier attempt's diagnosis must not explain this one's end
-    comm = CommWatch(rank, world, "nccl" if cuda else "gloo", cfg.scaling.collective_timeout_s,
-                     count=lambda rule: tel.metrics.count("raytrain_health_violations_total", rule=rule),
-                     report=lambda msg: storage.write_text(comm_file, msg),
-                     retract=lambda: storage.delete_file(comm_file))
-    if rank == 0:
-        workers = f"{world} workers" if dp_size == world else f"{dp_size} data-parallel x {world // dp_size} tensor-parallel workers"
-        say(f"{cfg.model.family} {n_params/1e6:.2f}M params | {workers} x micro_batch {mb} x "
-              f"accumulation {acc} = global batch {gb} sequences ({gb*seq} tokens) | ZeRO-{cfg.deepspeed.zero_stage} "
-              f"{dtype} | {'resuming from step ' + str(state.step) if resumed else 'fresh start'} | "
-              f"checkpoints {interval.describe()}")
-
+        say(_banner(cfg, n_params, world, dp_size, dtype, state.step if resumed else None, interval))
     if evaluate and state.step == 0:
         val_loss, val_ppl = evaluate(engine)
         log.write({"step": 0, "val_loss": val_loss, "val_ppl": val_ppl})
@@ -181,52 +154,38 @@ def train_loop_per_worker(loop_config: dict) -> None:
                "world_size": world, **({"previous_progress": beat.previous} if beat.previous else {})} \
         if rank == 0 else None
     poison = nan_hook(loop_config.get("inject") or {}, rank, gb)
-    window_t, window_steps, data_wait = time.perf_counter(), 0, 0.0
+    window_t, window_steps, data_wait, t_loop = time.perf_counter(), 0, 0.0, time.perf_counter()
     boot["setup"] = time.time()
     while state.step < cfg.run.max_steps:
         t0 = time.perf_counter()
         nxt = state.step + 1
         tel.timer.step(sample=nxt % cfg.run.log_every == 0 or nxt == cfg.run.max_steps)
-        batch = stream.take(gb)  # the whole global batch; this rank trains on its slice of it
+        rows = data.take()  # this rank's lanes of the global batch: [acc * mb, seq + 1]
         if attempt is not None:
             boot["first_batch"] = time.time()
-        # A fingerprint of exactly which samples this step trained on: resumed runs are checked against it.
-        batch_crc = zlib.crc32(np.ascontiguousarray(batch).tobytes())
         data_wait += (waited := time.perf_counter() - t0)
         tel.timer.add("data_wait", waited)
-        loss_sum = torch.zeros((), device=device)
-        aux_sum = torch.zeros((), device=device)  # MoE router load-balancing loss, logged as aux_loss
         comm.step = state.step + 1
         with oom_guard(cfg, world, cuda), comm("forward/backward and the optimizer step (gradient all-reduce)"):
-            for a in range(acc):
-                rows = batch[(a * dp_size + dp_rank) * mb:(a * dp_size + dp_rank + 1) * mb]
-                x = _to_device(rows, device, cfg.data.pin_memory)
-                with tel.timer("forward_backward"):
-                    loss = poison(state.samples_seen, lm_loss(engine, x))
-                    aux = moe_aux_loss(engine.module)
-                    engine.backward(loss if aux is None else loss + cfg.model.moe_aux_loss_coef * aux)
-                with tel.timer("optimizer"):
-                    engine.step()  # DeepSpeed only updates at the accumulation boundary
-                loss_sum += loss.detach().float()
-                aux_sum += aux.detach().float() if aux is not None else 0.0
+            loss_sum, aux_sum = _train_step(engine, rows, cfg, mb, acc, device, tel, poison, state.samples_seen)
         state.step += 1
         beat.beat(state.step)
         crash_at(state.step)
-        # Every step, one scalar all-reduce: all ranks judge the same loss, so all take the same action.
-        with comm("the all-reduce of the step loss"):
-            step_loss = _mean_across_ranks(loss_sum / acc, world)
+        # Every step, one all-reduce: the loss (all ranks judge the same loss, so all take the same action),
+        # with the preemption flags and rank 0's "checkpoint now" (auto interval) riding along.
+        with comm("the per-step all-reduce (loss, preemption notice, checkpoint agreement)"):
+            step_loss = notice.agree(loss_sum / acc, world,
+                                     want_checkpoint=interval.auto and rank == 0 and interval.due(state.step))
         bad = tel.health.check_step(state.step, step_loss)
         if bad is not None and bad.action != "warn":
             writer.wait()  # the newest checkpoint must be committed before it can be rolled back to
-            state = rollback(bad, tel, engine, state, stream, cfg.run_uri, gb)
+            state = rollback(bad, tel, engine, state, data, cfg.run_uri, gb)
             log.rewind(state.step)
             log.write({"step": state.step, "event": "rollback", **tel.rolled_back[-1]}, sync=True)
             window_t, window_steps, data_wait = time.perf_counter(), 0, 0.0
             tel.timer.take(1)
             continue
-        # Collective, every step: all ranks agree on when to save (a notice, or rank 0's auto interval).
-        with comm("the per-step agreement all-reduce (preemption notice, checkpoint)"):
-            preempted = notice.poll(state.step, want_checkpoint=interval.auto and rank == 0 and interval.due(state.step))
+        preempted = notice.take()
         if attempt is not None:
             record_attempt(cfg.run_uri, {**attempt, "first_step_time": round(time.time(), 3),
                                          "startup_s": {k: round(v - t_start, 3) for k, v in boot.items()}})
@@ -245,22 +204,10 @@ def train_loop_per_worker(loop_config: dict) -> None:
 
         rec: dict = {"step": state.step}
         if do_log:
-            # Collective: every rank computes the same do_log, so this all-reduce never hangs.
-            rec["loss"] = step_loss
-            if cfg.model.family == "mixtral":
-                rec["aux_loss"] = _mean_across_ranks(aux_sum / acc, world)
+            # Collective: every rank computes the same do_log, so these all-reduces never hang.
             dt = time.perf_counter() - window_t
-            tps = window_steps * gb * seq / dt
-            grad_norm = engine.get_global_grad_norm()
-            rec.update({
-                "lr": engine.get_lr()[0], "grad_norm": float(grad_norm) if grad_norm is not None else None,
-                "tokens_per_s": tps, "samples_per_s": window_steps * gb / dt,
-                "tflops_per_worker": fpt * tps / world / 1e12, "data_wait_frac": data_wait / dt,
-                "tokens_seen": state.tokens_seen, "epoch": stream.epoch, "batch_crc32": batch_crc, "data_skipped_shards": len(stream.skipped),
-            })
-            if dtype == "fp16":
-                # Loss-scale overflows: DeepSpeed skips the update (and the lr schedule's step) on its own.
-                rec["fp16_skipped_steps"] = engine.skipped_steps
+            rec.update(_log_record(cfg, engine, state, data, world, step_loss, aux_sum / acc, window_steps, dt,
+                                   data_wait, fpt, dtype, time.perf_counter() - t_loop))
             rec.update(tel.log_step(rec, state, window_steps, dt))
             window_t, window_steps, data_wait = time.perf_counter(), 0, 0.0
         if do_eval:
@@ -269,35 +216,121 @@ def train_loop_per_worker(loop_config: dict) -> None:
         log.write(rec, sync=True if (do_eval or do_ckpt) else None)
         log.console(rec)
         if do_ckpt:
-            if preempted and rank == 0:
-                say(f"preemption notice at step {state.step}: {preempted}; checkpointing now")
-            name = writer.save(engine, state, config_yaml)
-            tel.checkpoint_saved(writer.last_stall_s)
-            interval.saved(writer.last_stall_s)
-            log.write({"step": state.step, "checkpoint": name, "ckpt_stall_s": writer.last_stall_s,
-                       "ckpt_mode": cfg.checkpoint.upload, "preemption_checkpoint": preempted is not None,
-                       **({"auto_interval_s": round(interval.interval_s, 2)} if interval.auto else {})})
-            if rank == 0:
-                say(f"checkpoint {name}: training paused {writer.last_stall_s:.2f}s ({cfg.checkpoint.upload} upload)")
-            if preempted:
-                # The notice's checkpoint must be committed before any rank leaves.
-                writer.wait()
-                if world > 1:
-                    dist.barrier()
-                notice.exit_if_terminated()
-                notice.hold()
+            _checkpoint(cfg, engine, state, writer, tel, interval, log, notice, rank, world, preempted)
         if do_eval:
             # Metrics-only reports are kept to eval steps: each report waits for Ray Train's controller
             # to collect it (about a second), which would throttle a loop that logs every step.
             ray.train.report(rec)
 
+    data_stats = data.stats(world, time.perf_counter() - t_loop)  # collective: every rank
+    data.close()
     writer.wait()  # the final upload and commit
     beat.close()
     last_ckpt = writer.committed or last_ckpt
     if rank == 0:
-        _write_summary(cfg, log, state, last_ckpt, n_params, extra=tel.summary())
+        _write_summary(cfg, log, state, last_ckpt, n_params, extra={**tel.summary(), **data_stats})
     tel.close()
     comm.close()
+
+
+def _device(cfg: Config, train_torch) -> tuple[bool, torch.device]:
+    """(cuda, this worker's device); also the torch threads and seeds every rank shares."""
+    cuda = cfg.scaling.use_gpu and torch.cuda.is_available()
+    if cfg.scaling.use_gpu and not cuda:
+        # The process group is NCCL already; a CPU fallback would fail later with a cryptic NCCL error.
+        raise UserError(f"scaling.use_gpu=true but this worker's torch {torch.__version__} sees no CUDA device "
+                        f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): install a CUDA "
+                        "build of torch on the GPU nodes, or set scaling.use_gpu=false")
+    device = train_torch.get_device() if cuda else torch.device("cpu")
+    torch.set_num_threads(max(1, int(cfg.scaling.cpus_per_worker)))
+    # Same seed on every rank: identical initial weights; data differs by lane, not by RNG.
+    torch.manual_seed(cfg.run.seed)
+    np.random.seed(cfg.run.seed)
+    return cuda, device
+
+
+def _comm_watch(cfg: Config, rank: int, world: int, cuda: bool, tel: Telemetry) -> CommWatch:
+    """Names the collective a rank waits in; a timeout becomes a diagnosis (in the run directory), not a hang."""
+    comm_file = storage.join(cfg.run_uri, COMM_FAILURE_FILE)
+    if rank == 0:
+        storage.delete_file(comm_file)  # an earlier attempt's diagnosis must not explain this one's end
+    return CommWatch(rank, world, "nccl" if cuda else "gloo", cfg.scaling.collective_timeout_s,
+                     count=lambda rule: tel.metrics.count("raytrain_health_violations_total", rule=rule),
+                     report=lambda msg: storage.write_text(comm_file, msg),
+                     retract=lambda: storage.delete_file(comm_file))
+
+
+def _banner(cfg: Config, n_params: int, world: int, dp_size: int, dtype: str, resumed_step, interval) -> str:
+    mb, acc, gb, seq = cfg.batch.micro_batch_size, cfg.accumulation, cfg.global_batch, cfg.model.seq_len
+    workers = f"{world} workers" if dp_size == world else f"{dp_size} data-parallel x {world // dp_size} tensor-parallel workers"
+    return (f"{cfg.model.family} {n_params/1e6:.2f}M params | {workers} x micro_batch {mb} x "
+            f"accumulation {acc} = global batch {gb} sequences ({gb*seq} tokens) | ZeRO-{cfg.deepspeed.zero_stage} "
+            f"{dtype} | {'resuming from step ' + str(resumed_step) if resumed_step is not None else 'fresh start'} | "
+            f"checkpoints {interval.describe()}")
+
+
+def _train_step(engine, rows: np.ndarray, cfg: Config, mb: int, acc: int, device, tel: Telemetry, poison,
+                samples_seen: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward/backward over this rank's micro-batches and the optimizer step; (loss sum, MoE aux loss sum)."""
+    loss_sum = torch.zeros((), device=device)
+    aux_sum = torch.zeros((), device=device)  # MoE router load-balancing loss, logged as aux_loss
+    for a in range(acc):
+        x = _to_device(rows[a * mb:(a + 1) * mb], device, cfg.data.pin_memory)
+        with tel.timer("forward_backward"):
+            loss = poison(samples_seen, lm_loss(engine, x))
+            aux = moe_aux_loss(engine.module)
+            engine.backward(loss if aux is None else loss + cfg.model.moe_aux_loss_coef * aux)
+        with tel.timer("optimizer"):
+            engine.step()  # DeepSpeed only updates at the accumulation boundary
+        loss_sum += loss.detach().float()
+        aux_sum += aux.detach().float() if aux is not None else 0.0
+    return loss_sum, aux_sum
+
+
+def _log_record(cfg: Config, engine, state, data: DataPlane, world: int, step_loss: float, aux: torch.Tensor,
+                window_steps: int, dt: float, data_wait: float, fpt: float, dtype: str, elapsed: float) -> dict:
+    """A log step's figures (collective: the MoE aux loss and the data counters are all-reduced)."""
+    gb, seq = cfg.global_batch, cfg.model.seq_len
+    rec: dict = {"loss": step_loss}
+    if cfg.model.family == "mixtral":
+        rec["aux_loss"] = _mean_across_ranks(aux, world)
+    tps = window_steps * gb * seq / dt
+    grad_norm = engine.get_global_grad_norm()
+    rec.update({
+        "lr": engine.get_lr()[0], "grad_norm": float(grad_norm) if grad_norm is not None else None,
+        "tokens_per_s": tps, "samples_per_s": window_steps * gb / dt,
+        "tflops_per_worker": fpt * tps / world / 1e12, "data_wait_frac": data_wait / dt,
+        "tokens_seen": state.tokens_seen, "epoch": data.epoch,
+        # Which samples this step trained on, from the plan (resumed runs are checked against it).
+        "batch_crc32": data.fingerprint(),
+        **data.stats(world, elapsed),
+    })
+    if dtype == "fp16":
+        # Loss-scale overflows: DeepSpeed skips the update (and the lr schedule's step) on its own.
+        rec["fp16_skipped_steps"] = engine.skipped_steps
+    return rec
+
+
+def _checkpoint(cfg: Config, engine, state, writer, tel: Telemetry, interval, log: RunLog, notice: PreemptionNotice,
+                rank: int, world: int, preempted) -> None:
+    """Save (collective); after a preemption notice, wait for the commit and leave or hold as the notice asks."""
+    if preempted and rank == 0:
+        say(f"preemption notice at step {state.step}: {preempted}; checkpointing now")
+    name = writer.save(engine, state, cfg.to_yaml())
+    tel.checkpoint_saved(writer.last_stall_s)
+    interval.saved(writer.last_stall_s)
+    log.write({"step": state.step, "checkpoint": name, "ckpt_stall_s": writer.last_stall_s,
+               "ckpt_mode": cfg.checkpoint.upload, "preemption_checkpoint": preempted is not None,
+               **({"auto_interval_s": round(interval.interval_s, 2)} if interval.auto else {})})
+    if rank == 0:
+        say(f"checkpoint {name}: training paused {writer.last_stall_s:.2f}s ({cfg.checkpoint.upload} upload)")
+    if preempted:
+        # The notice's checkpoint must be committed before any rank leaves.
+        writer.wait()
+        if world > 1:
+            dist.barrier()
+        notice.exit_if_terminated()
+        notice.hold()
 
 
 def _crash_hook(inject: dict, rank: int):

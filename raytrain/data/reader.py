@@ -1,0 +1,214 @@
+"""Reading under the sample plan: one rank's rows of each global batch, from only the units that hold them.
+
+The plan (raytrain/data/plan.py) says which units this rank's lanes walk through and when each is first
+and last needed. A background pool reads them ahead in that order (Parquet: the unit's row groups, token
+column only; WebDataset: the tar, member by member), each unit once, through raytrain.storage so local
+paths and s3:// both work and every byte fetched is counted. A unit stays in the cache from its first to
+its last use by this rank, then goes: the cache holds about one unit per lane plus the read-ahead.
+
+Why pyarrow here and not Ray Data: a rank reads a handful of whole units, in an order the plan fixes; Ray
+Data's per-epoch pipeline start-up (3-27 s measured on 2 cores, see stream.py) and its completion-order
+output buy nothing for that, and each unit is one sequential read that pyarrow decodes in C++.
+"""
+
+from __future__ import annotations
+
+import heapq
+import io
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Optional
+
+import numpy as np
+
+from raytrain import storage
+from raytrain.data.manifest import Split
+from raytrain.data.plan import SamplePlan, StepPlan
+from raytrain.data.stream import _first_line, _tokens_to_numpy
+from raytrain.errors import UserError
+
+
+class BadUnit(Exception):
+    def __init__(self, uri: str, reason: str):
+        super().__init__(reason)
+        self.uri, self.reason = uri, reason
+
+
+def read_unit(split: Split, unit, counter: Optional[storage.ReadCounter] = None) -> np.ndarray:
+    """The rows of one unit, [rows, seq_len + 1] int64. A unit that cannot be read whole is a BadUnit."""
+    uri = split.shard_uris[unit.shard]
+    width = split.seq_len + 1
+    expected = split.shard_rows[unit.shard]
+    try:
+        with storage.open_counted(uri, counter) as f:
+            if split.format == "parquet":
+                import pyarrow.parquet as pq
+
+                pf = pq.ParquetFile(f)
+                if pf.metadata.num_rows != expected:
+                    raise BadUnit(uri, f"read {pf.metadata.num_rows} rows, its manifest entry says {expected}; truncated?")
+                sizes = np.array([pf.metadata.row_group(i).num_rows for i in range(pf.num_row_groups)])
+                ends = np.cumsum(sizes)
+                g0 = int(np.searchsorted(ends, unit.start, side="right"))
+                g1 = int(np.searchsorted(ends, unit.start + unit.rows - 1, side="right"))
+                rows = _tokens_to_numpy(pf.read_row_groups(list(range(g0, g1 + 1)), columns=["tokens"])["tokens"], width)
+                skip = unit.start - int(ends[g0] - sizes[g0])
+                return rows[skip:skip + unit.rows]
+            from raytrain.data.webdataset_io import iter_tar_rows
+
+            # Buffered: tarfile reads 512-byte blocks, and unbuffered each would be a request on S3.
+            chunks = list(iter_tar_rows(io.BufferedReader(f, buffer_size=4 << 20), width))
+            rows = np.concatenate(chunks) if chunks else np.zeros((0, width), np.int64)
+            if len(rows) != expected:
+                raise BadUnit(uri, f"read {len(rows)} rows, its manifest entry says {expected}; truncated?")
+            return rows[unit.start:unit.start + unit.rows]
+    except BadUnit:
+        raise
+    except Exception as e:  # noqa: BLE001 - any read or decode failure marks the shard
+        raise BadUnit(uri, _first_line(e)) from None
+
+
+class PlannedReader:
+    """This rank's rows of global batch `step`, for steps start, start + 1, ... (strictly in order)."""
+
+    def __init__(self, split: Split, plan: SamplePlan, lanes: tuple[int, int], start_step: int = 0,
+                 ahead: Optional[int] = None, threads: int = 4, stall_timeout_s: float = 600.0,
+                 on_bad_shard: str = "error", counter: Optional[storage.ReadCounter] = None):
+        self.split, self.plan, self.lanes = split, plan, lanes
+        self.step_next = start_step
+        n_lanes = lanes[1] - lanes[0]
+        # Units read before any lane needs them. All lanes can enter new units at the same step (when the
+        # lane length is a multiple of the unit size), so up to one per lane, within a fixed bound.
+        self.ahead = ahead or max(4, min(n_lanes, 32))
+        self.stall_timeout_s, self.on_bad_shard = stall_timeout_s, on_bad_shard
+        self.counter = counter or storage.ReadCounter()
+        self.rows_read = 0       # rows decoded from storage (whole units)
+        self.rows_trained = 0    # rows handed to training
+        self.units_opened: list[tuple[int, int]] = []  # (epoch, unit), in read order
+        self.wait_s = 0.0
+        self.skipped: list[str] = []
+        self._cache: dict[tuple[int, int], Future] = {}
+        self._release: list[tuple[int, tuple[int, int]]] = []  # heap of (last global step, key)
+        self._first: dict[tuple[int, int], int] = {}
+        self._cv = threading.Condition()
+        self._lock = threading.Lock()
+        self._stop = False
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="raytrain-read")
+        self._producer = threading.Thread(target=self._produce, daemon=True, name="raytrain-plan-reader")
+        self._producer.start()
+
+    # ------------------------------------------------------------------ producer (background thread)
+
+    def _produce(self) -> None:
+        L = self.plan.steps_per_epoch
+        epoch, t0 = divmod(self.step_next, L)
+        while True:
+            for first, last, unit in self.plan.lane_units(epoch, self.lanes, t0):
+                key = (epoch, unit)
+                with self._cv:
+                    while not self._stop and sum(1 for k, f in self._first.items() if f > self.step_next) >= self.ahead:
+                        self._cv.wait(1.0)
+                    if self._stop:
+                        return
+                    self._first[key] = epoch * L + first
+                    heapq.heappush(self._release, (epoch * L + last, key))
+                    self._cache[key] = self._pool.submit(self._load, epoch, unit)
+                    self._cv.notify_all()
+            epoch, t0 = epoch + 1, 0
+
+    def _load(self, epoch: int, u: int) -> np.ndarray:
+        unit = self.plan.units[u]
+        self.units_opened.append((epoch, u))
+        try:
+            rows = read_unit(self.split, unit, self.counter)
+        except BadUnit as e:
+            if self.on_bad_shard != "skip":
+                raise UserError(f"training data: shard {e.uri} cannot be used ({e.reason}); restore it or prepare the "
+                                f"dataset again, or set data.on_bad_shard=skip to train without it") from None
+            return self._substitute(epoch, u, e)
+        with self._lock:
+            self.rows_read += len(rows)
+        return rows
+
+    def _substitute(self, epoch: int, u: int, e: BadUnit) -> np.ndarray:
+        """A skipped unit's places are filled from the next readable unit in the epoch's order: a function of
+        the data and the plan alone, so every rank that reads either unit fills them alike, at any N."""
+        if e.uri not in self.skipped:
+            logging.getLogger("raytrain").warning("skipping unreadable shard %s (%s)", e.uri, e.reason)
+            self.skipped.append(e.uri)
+        order, _ = self.plan.epoch_order(epoch)
+        j = int(np.flatnonzero(order == u)[0])
+        for k in range(1, len(order)):
+            cand = int(order[(j + k) % len(order)])
+            try:
+                rows = read_unit(self.split, self.plan.units[cand], self.counter)
+            except BadUnit as e2:
+                if e2.uri not in self.skipped:
+                    self.skipped.append(e2.uri)
+                continue
+            with self._lock:
+                self.rows_read += len(rows)
+            reps = -(-self.plan.units[u].rows // len(rows))
+            return np.concatenate([rows] * reps)[:self.plan.units[u].rows]
+        raise UserError(f"training data: no shard of {self.split.uri} can be read; restore the data or prepare it again")
+
+    # ------------------------------------------------------------------ consumer (training thread)
+
+    def take(self, step: Optional[int] = None) -> tuple[np.ndarray, StepPlan]:
+        """(rows of this rank's lanes for global batch `step`, the step's plan). Steps go strictly forward."""
+        step = self.step_next if step is None else step
+        if step != self.step_next:
+            raise ValueError(f"PlannedReader reads forward: asked for step {step}, next is {self.step_next}")
+        sp = self.plan.step(step, self.lanes)
+        t0 = time.perf_counter()
+        out = np.empty((len(sp.ids), self.split.seq_len + 1), np.int64)
+        for u in np.unique(sp.units):
+            mask = sp.units == u
+            out[mask] = self._unit((sp.epoch, int(u)))[sp.rows[mask]]
+        self.wait_s += time.perf_counter() - t0
+        self.rows_trained += len(sp.ids)
+        with self._cv:
+            self.step_next = step + 1
+            while self._release and self._release[0][0] <= step:
+                _, key = heapq.heappop(self._release)
+                self._cache.pop(key, None)
+                self._first.pop(key, None)
+            self._cv.notify_all()
+        return out, sp
+
+    def _unit(self, key: tuple[int, int]) -> np.ndarray:
+        deadline = time.monotonic() + self.stall_timeout_s
+        with self._cv:
+            while key not in self._cache:
+                if not self._producer.is_alive():
+                    raise RuntimeError("the plan reader's scheduler stopped")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise UserError(self._stall())
+                self._cv.wait(min(left, 1.0))
+            fut = self._cache[key]
+        try:
+            return fut.result(timeout=max(1.0, deadline - time.monotonic()))
+        except TimeoutError:
+            raise UserError(self._stall()) from None
+
+    def _stall(self) -> str:
+        return (f"no training data arrived for {self.stall_timeout_s:.0f}s from {self.split.uri}; check that its "
+                "storage is reachable from every node (data.stall_timeout_s sets this limit)")
+
+    @property
+    def cached_units(self) -> int:
+        return len(self._cache)
+
+    def counters(self) -> dict:
+        return {"rows_read": self.rows_read, "rows_trained": self.rows_trained, "bytes_fetched": self.counter.bytes,
+                "units_opened": len(self.units_opened), "data_wait_s": self.wait_s,
+                "skipped_shards": len(self.skipped)}
+
+    def close(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        self._pool.shutdown(wait=False, cancel_futures=True)
