@@ -43,10 +43,13 @@ def read_unit(split: Split, unit, counter: Optional[storage.ReadCounter] = None)
     expected = split.shard_rows[unit.shard]
     try:
         with storage.open_counted(uri, counter) as f:
+            # A unit that is its whole shard (as `raytrain prepare` writes them) is one GET; a part of a
+            # shard is its footer plus its row groups' ranges.
+            src = io.BytesIO(f.read()) if unit.start == 0 and unit.rows == expected else f
             if split.format == "parquet":
                 import pyarrow.parquet as pq
 
-                pf = pq.ParquetFile(f)
+                pf = pq.ParquetFile(src)
                 if pf.metadata.num_rows != expected:
                     raise BadUnit(uri, f"read {pf.metadata.num_rows} rows, its manifest entry says {expected}; truncated?")
                 sizes = np.array([pf.metadata.row_group(i).num_rows for i in range(pf.num_row_groups)])
@@ -59,7 +62,8 @@ def read_unit(split: Split, unit, counter: Optional[storage.ReadCounter] = None)
             from raytrain.data.webdataset_io import iter_tar_rows
 
             # Buffered: tarfile reads 512-byte blocks, and unbuffered each would be a request on S3.
-            chunks = list(iter_tar_rows(io.BufferedReader(f, buffer_size=4 << 20), width))
+            stream = src if src is not f else io.BufferedReader(f, buffer_size=4 << 20)
+            chunks = list(iter_tar_rows(stream, width))
             rows = np.concatenate(chunks) if chunks else np.zeros((0, width), np.int64)
             if len(rows) != expected:
                 raise BadUnit(uri, f"read {len(rows)} rows, its manifest entry says {expected}; truncated?")
@@ -211,4 +215,4 @@ class PlannedReader:
         with self._cv:
             self._stop = True
             self._cv.notify_all()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown(wait=True, cancel_futures=True)  # at most `threads` unit reads in flight

@@ -6,9 +6,13 @@ Everything that is not "take a batch, step the engine" is a component it calls: 
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import os
 import time
+
+from typing import Optional
 
 import numpy as np
 import torch
@@ -135,41 +139,28 @@ def train_loop_per_worker(loop_config: dict) -> None:
     interval.seed([r["ckpt_stall_s"] for r in log.history if isinstance(r.get("ckpt_stall_s"), (int, float))])
     notice = PreemptionNotice(rank, world, cfg.checkpoint.preemption_check_s, cfg.checkpoint.on_preemption,
                               carry_checkpoint=interval.auto, device=device)
-    mb, acc, gb, seq = cfg.batch.micro_batch_size, cfg.accumulation, cfg.global_batch, cfg.model.seq_len
-    fpt = flops_per_token(n_active, cfg.model)
-    tel = Telemetry(cfg, rank, world, cuda, fpt, log=say)  # metrics export, phase timers, health rules
+    acc, gb = cfg.accumulation, cfg.global_batch
+    tel = Telemetry(cfg, rank, world, cuda, flops_per_token(n_active, cfg.model), log=say)  # metrics, timers, health
     comm = _comm_watch(cfg, rank, world, cuda, tel)  # names the collective a rank waits in
-    if rank == 0:
-        say(_banner(cfg, n_params, world, dp_size, dtype, state.step if resumed else None, interval))
-    if evaluate and state.step == 0:
-        val_loss, val_ppl = evaluate(engine)
-        log.write({"step": 0, "val_loss": val_loss, "val_ppl": val_ppl})
-        log.console({"step": 0, "val_loss": val_loss, "val_ppl": val_ppl})
+    parts = _Parts(cfg, rank, world, engine, data, tel, log, writer, interval, notice, evaluate, dtype)
+    _start(parts, state, n_params, dp_size, resumed is not None)
 
     last_ckpt = ckpt.dir_name(state.step) if resumed else None
     crash_at = _crash_hook(loop_config.get("inject") or {}, rank)
-    # Where this attempt started and when its first step was done: recovery time, steps lost, cost.
-    beat = Heartbeat(cfg.run_uri, enabled=rank == 0).start(state.restarts, state.step)
-    attempt = {"attempt": state.restarts, "resumed_step": state.step, "time": round(t_start, 3),
-               "world_size": world, **({"previous_progress": beat.previous} if beat.previous else {})} \
-        if rank == 0 else None
     poison = nan_hook(loop_config.get("inject") or {}, rank, gb)
-    window_t, window_steps, data_wait, t_loop = time.perf_counter(), 0, 0.0, time.perf_counter()
-    boot["setup"] = time.time()
+    first = _Attempt(cfg.run_uri, rank, world, state, t_start, boot)  # recovery time, steps lost, cost
+    win = _Window()
     while state.step < cfg.run.max_steps:
-        t0 = time.perf_counter()
         nxt = state.step + 1
         tel.timer.step(sample=nxt % cfg.run.log_every == 0 or nxt == cfg.run.max_steps)
-        rows = data.take()  # this rank's lanes of the global batch: [acc * mb, seq + 1]
-        if attempt is not None:
-            boot["first_batch"] = time.time()
-        data_wait += (waited := time.perf_counter() - t0)
-        tel.timer.add("data_wait", waited)
+        with win.waiting(tel):
+            rows = data.take()  # this rank's lanes of the global batch: [acc * micro_batch, seq_len + 1]
+        first.got_batch()
         comm.step = state.step + 1
         with oom_guard(cfg, world, cuda), comm("forward/backward and the optimizer step (gradient all-reduce)"):
-            loss_sum, aux_sum = _train_step(engine, rows, cfg, mb, acc, device, tel, poison, state.samples_seen)
+            loss_sum, aux_sum = _train_step(engine, rows, cfg, device, tel, poison, state.samples_seen)
         state.step += 1
-        beat.beat(state.step)
+        first.beat.beat(state.step)
         crash_at(state.step)
         # Every step, one all-reduce: the loss (all ranks judge the same loss, so all take the same action),
         # with the preemption flags and rank 0's "checkpoint now" (auto interval) riding along.
@@ -178,59 +169,138 @@ def train_loop_per_worker(loop_config: dict) -> None:
                                      want_checkpoint=interval.auto and rank == 0 and interval.due(state.step))
         bad = tel.health.check_step(state.step, step_loss)
         if bad is not None and bad.action != "warn":
-            writer.wait()  # the newest checkpoint must be committed before it can be rolled back to
-            state = rollback(bad, tel, engine, state, data, cfg.run_uri, gb)
-            log.rewind(state.step)
-            log.write({"step": state.step, "event": "rollback", **tel.rolled_back[-1]}, sync=True)
-            window_t, window_steps, data_wait = time.perf_counter(), 0, 0.0
-            tel.timer.take(1)
+            state = _roll_back(parts, bad, state, win)
             continue
         preempted = notice.take()
-        if attempt is not None:
-            record_attempt(cfg.run_uri, {**attempt, "first_step_time": round(time.time(), 3),
-                                         "startup_s": {k: round(v - t_start, 3) for k, v in boot.items()}})
-            attempt = None
+        first.stepped()
         state.samples_seen += gb
-        state.tokens_seen += gb * seq
-        window_steps += 1
+        state.tokens_seen += gb * cfg.model.seq_len
+        win.steps += 1
 
-        last = state.step == cfg.run.max_steps
-        do_log = state.step % cfg.run.log_every == 0 or last
-        do_eval = evaluate is not None and ((cfg.run.eval_every and state.step % cfg.run.eval_every == 0) or last)
-        scheduled = notice.checkpoint_agreed if interval.auto else interval.due(state.step)
-        do_ckpt = scheduled or (last and cfg.checkpoint.save_final) or preempted is not None
-        if not (do_log or do_eval or do_ckpt):
-            continue
+        _after_step(parts, state, step_loss, aux_sum / acc, win, preempted)
 
-        rec: dict = {"step": state.step}
-        if do_log:
-            # Collective: every rank computes the same do_log, so these all-reduces never hang.
-            dt = time.perf_counter() - window_t
-            rec.update(_log_record(cfg, engine, state, data, world, step_loss, aux_sum / acc, window_steps, dt,
-                                   data_wait, fpt, dtype, time.perf_counter() - t_loop))
-            rec.update(tel.log_step(rec, state, window_steps, dt))
-            window_t, window_steps, data_wait = time.perf_counter(), 0, 0.0
-        if do_eval:
-            rec["val_loss"], rec["val_ppl"] = evaluate(engine)
-        tel.observe(rec, sync=do_eval or do_ckpt)
-        log.write(rec, sync=True if (do_eval or do_ckpt) else None)
-        log.console(rec)
-        if do_ckpt:
-            _checkpoint(cfg, engine, state, writer, tel, interval, log, notice, rank, world, preempted)
-        if do_eval:
-            # Metrics-only reports are kept to eval steps: each report waits for Ray Train's controller
-            # to collect it (about a second), which would throttle a loop that logs every step.
-            ray.train.report(rec)
-
-    data_stats = data.stats(world, time.perf_counter() - t_loop)  # collective: every rank
+    data_stats = data.stats(world, win.since_start())  # collective: every rank
     data.close()
     writer.wait()  # the final upload and commit
-    beat.close()
-    last_ckpt = writer.committed or last_ckpt
+    first.beat.close()
     if rank == 0:
-        _write_summary(cfg, log, state, last_ckpt, n_params, extra={**tel.summary(), **data_stats})
+        _write_summary(cfg, log, state, writer.committed or last_ckpt, n_params, extra={**tel.summary(), **data_stats})
     tel.close()
     comm.close()
+
+
+@dataclasses.dataclass
+class _Parts:
+    """The components a step's reporting and checkpointing use."""
+
+    cfg: Config
+    rank: int
+    world: int
+    engine: object
+    data: DataPlane
+    tel: Telemetry
+    log: RunLog
+    writer: ckpt.CheckpointWriter
+    interval: CheckpointInterval
+    notice: PreemptionNotice
+    evaluate: Optional[Evaluator]
+    dtype: str
+
+
+def _start(p: _Parts, state, n_params: int, dp_size: int, resumed: bool) -> None:
+    """The run's opening line (rank 0) and, on a fresh start, the step-0 validation (collective)."""
+    if p.rank == 0:
+        say(_banner(p.cfg, n_params, p.world, dp_size, p.dtype, state.step if resumed else None, p.interval))
+    if p.evaluate and state.step == 0:
+        val_loss, val_ppl = p.evaluate(p.engine)
+        p.log.write({"step": 0, "val_loss": val_loss, "val_ppl": val_ppl})
+        p.log.console({"step": 0, "val_loss": val_loss, "val_ppl": val_ppl})
+
+
+def _roll_back(p: _Parts, bad, state, win: "_Window"):
+    """A bad loss: back to the newest checkpoint, past the bad batch (collective); returns the new state."""
+    p.writer.wait()  # the newest checkpoint must be committed before it can be rolled back to
+    state = rollback(bad, p.tel, p.engine, state, p.data, p.cfg.run_uri, p.cfg.global_batch)
+    p.log.rewind(state.step)
+    p.log.write({"step": state.step, "event": "rollback", **p.tel.rolled_back[-1]}, sync=True)
+    win.reset()
+    p.tel.timer.take(1)
+    return state
+
+
+def _after_step(p: _Parts, state, step_loss: float, aux: torch.Tensor, win: "_Window", preempted: Optional[str]) -> None:
+    """Log, evaluate, checkpoint when due (every rank decides alike: the collectives inside never hang)."""
+    cfg, last = p.cfg, state.step == p.cfg.run.max_steps
+    do_log = state.step % cfg.run.log_every == 0 or last
+    do_eval = p.evaluate is not None and ((cfg.run.eval_every and state.step % cfg.run.eval_every == 0) or last)
+    scheduled = p.notice.checkpoint_agreed if p.interval.auto else p.interval.due(state.step)
+    do_ckpt = scheduled or (last and cfg.checkpoint.save_final) or preempted is not None
+    if not (do_log or do_eval or do_ckpt):
+        return
+    rec: dict = {"step": state.step}
+    if do_log:
+        rec.update(_log_record(cfg, p.engine, state, p.data, p.tel, p.world, step_loss, aux, win, p.dtype))
+    if do_eval:
+        rec["val_loss"], rec["val_ppl"] = p.evaluate(p.engine)
+    p.tel.observe(rec, sync=do_eval or do_ckpt)
+    p.log.write(rec, sync=True if (do_eval or do_ckpt) else None)
+    p.log.console(rec)
+    if do_ckpt:
+        _checkpoint(cfg, p.engine, state, p.writer, p.tel, p.interval, p.log, p.notice, p.rank, p.world, preempted)
+    if do_eval:
+        import ray.train
+
+        # Metrics-only reports are kept to eval steps: each report waits for Ray Train's controller
+        # to collect it (about a second), which would throttle a loop that logs every step.
+        ray.train.report(rec)
+
+
+class _Window:
+    """Time, steps and data wait since the last log line (throughput is measured per window)."""
+
+    def __init__(self):
+        self.t_start = time.perf_counter()
+        self.reset()
+
+    def reset(self) -> None:
+        self.t, self.steps, self.data_wait = time.perf_counter(), 0, 0.0
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t
+
+    def since_start(self) -> float:
+        return time.perf_counter() - self.t_start
+
+    @contextlib.contextmanager
+    def waiting(self, tel: Telemetry):
+        t0 = time.perf_counter()
+        yield
+        waited = time.perf_counter() - t0
+        self.data_wait += waited
+        tel.timer.add("data_wait", waited)
+
+
+class _Attempt:
+    """Where this attempt started and when its first step was done (rank 0 records it): recovery time, steps
+    lost, cost. Owns the heartbeat that tells a later attempt how far this one got."""
+
+    def __init__(self, run_uri: str, rank: int, world: int, state, t_start: float, boot: dict):
+        self.run_uri, self.t_start, self.boot = run_uri, t_start, boot
+        self.beat = Heartbeat(run_uri, enabled=rank == 0).start(state.restarts, state.step)
+        self.rec = {"attempt": state.restarts, "resumed_step": state.step, "time": round(t_start, 3),
+                    "world_size": world, **({"previous_progress": self.beat.previous} if self.beat.previous else {})} \
+            if rank == 0 else None
+        boot["setup"] = time.time()
+
+    def got_batch(self) -> None:
+        if self.rec is not None:
+            self.boot["first_batch"] = time.time()
+
+    def stepped(self) -> None:
+        if self.rec is not None:
+            record_attempt(self.run_uri, {**self.rec, "first_step_time": round(time.time(), 3),
+                                          "startup_s": {k: round(v - self.t_start, 3) for k, v in self.boot.items()}})
+            self.rec = None
 
 
 def _device(cfg: Config, train_torch) -> tuple[bool, torch.device]:
@@ -269,9 +339,10 @@ def _banner(cfg: Config, n_params: int, world: int, dp_size: int, dtype: str, re
             f"checkpoints {interval.describe()}")
 
 
-def _train_step(engine, rows: np.ndarray, cfg: Config, mb: int, acc: int, device, tel: Telemetry, poison,
+def _train_step(engine, rows: np.ndarray, cfg: Config, device, tel: Telemetry, poison,
                 samples_seen: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward/backward over this rank's micro-batches and the optimizer step; (loss sum, MoE aux loss sum)."""
+    mb, acc = cfg.batch.micro_batch_size, cfg.accumulation
     loss_sum = torch.zeros((), device=device)
     aux_sum = torch.zeros((), device=device)  # MoE router load-balancing loss, logged as aux_loss
     for a in range(acc):
@@ -287,10 +358,12 @@ def _train_step(engine, rows: np.ndarray, cfg: Config, mb: int, acc: int, device
     return loss_sum, aux_sum
 
 
-def _log_record(cfg: Config, engine, state, data: DataPlane, world: int, step_loss: float, aux: torch.Tensor,
-                window_steps: int, dt: float, data_wait: float, fpt: float, dtype: str, elapsed: float) -> dict:
-    """A log step's figures (collective: the MoE aux loss and the data counters are all-reduced)."""
-    gb, seq = cfg.global_batch, cfg.model.seq_len
+def _log_record(cfg: Config, engine, state, data: DataPlane, tel: Telemetry, world: int, step_loss: float,
+                aux: torch.Tensor, win: _Window, dtype: str) -> dict:
+    """A log step's figures; starts the next window (collective: the MoE aux loss and the data counters are
+    all-reduced)."""
+    gb, seq, fpt = cfg.global_batch, cfg.model.seq_len, tel.fpt
+    window_steps, dt, data_wait = win.steps, win.elapsed(), win.data_wait
     rec: dict = {"loss": step_loss}
     if cfg.model.family == "mixtral":
         rec["aux_loss"] = _mean_across_ranks(aux, world)
@@ -303,11 +376,13 @@ def _log_record(cfg: Config, engine, state, data: DataPlane, world: int, step_lo
         "tokens_seen": state.tokens_seen, "epoch": data.epoch,
         # Which samples this step trained on, from the plan (resumed runs are checked against it).
         "batch_crc32": data.fingerprint(),
-        **data.stats(world, elapsed),
+        **data.stats(world, win.since_start()),
     })
     if dtype == "fp16":
         # Loss-scale overflows: DeepSpeed skips the update (and the lr schedule's step) on its own.
         rec["fp16_skipped_steps"] = engine.skipped_steps
+    rec.update(tel.log_step({"step": state.step, **rec}, state, window_steps, dt))
+    win.reset()
     return rec
 
 
