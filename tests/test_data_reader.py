@@ -130,3 +130,30 @@ def test_bad_shard_is_named_or_skipped_alike_at_any_n(many_units, tmp_path, name
         for r in readers:
             r.close()
     np.testing.assert_array_equal(filled[1], filled[4])  # the gap is filled from the plan alone
+
+
+@pytest.mark.slow
+def test_two_worker_run_trains_the_planned_batches_and_reports_its_reads(many_units, tmp_path, ray_cluster):
+    from raytrain.trainer import train
+    from tests.conftest import tiny_cfg
+
+    cfg = tiny_cfg(many_units, tmp_path, "planned", "data.val=null", "run.log_every=10", "checkpoint.every_n_steps=100",
+                   "checkpoint.save_final=false")
+    split = load_split(many_units + "/train")
+    plan = SamplePlan.for_split(split, cfg.run.seed, cfg.global_batch)
+    steps = plan.steps_per_epoch  # one epoch
+    cfg = tiny_cfg(many_units, tmp_path, "planned", "data.val=null", "run.log_every=10", "checkpoint.every_n_steps=100",
+                   "checkpoint.save_final=false", f"run.max_steps={steps}")
+    summary = train(cfg, log=lambda *_: None)
+    recs = [json.loads(x) for x in storage.read_text(storage.join(cfg.run_uri, "metrics.jsonl")).splitlines()]
+    logged = [r for r in recs if "loss" in r]
+    assert logged and all(r["batch_crc32"] == plan.step(r["step"] - 1).fingerprint() for r in logged)
+    # One epoch, two workers: each unit read once (a unit two ranks share, twice), plus the read-ahead.
+    unit_rows, ahead = max(split.shard_rows), 4
+    trained = steps * cfg.global_batch
+    assert summary["data_rows_trained_per_worker"] == trained / 2
+    assert summary["read_amplification"] <= 1.25 + 2 * ahead * unit_rows / trained, summary
+    assert summary["data_rows_read_max"] <= 1.25 * trained / 2 + ahead * unit_rows
+    shard_bytes = _shard_bytes(split)
+    assert summary["data_bytes_fetched_per_worker"] <= 1.25 * sum(shard_bytes) / 2 + ahead * max(shard_bytes)
+    assert 0 <= summary["data_wait_frac_max"] < 1

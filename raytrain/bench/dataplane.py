@@ -71,3 +71,40 @@ def dataplane(log: Callable = print, workers=(8, 64, 512, 1024), batches=(512, 1
                               "SampleStream: every worker reads the global stream", float(n), "<= 1.1",
                               met=r["read_amplification"] <= 1.1, workers=n, global_batch=gb, **r))
     return out
+
+
+def runs(tmp: str, log: Callable = print, workers=(1, 2, 4), steps: int = 0) -> list[dict]:
+    """Real training runs under the plan (tiny model, CPU): read amplification, bytes fetched and data wait from
+    the run's own counters (summary.json), one epoch of python-docs in 8-row shards (~190 units), global batch 16."""
+    from raytrain.bench.parts import figure, prepare_data
+    from raytrain.config import load_config
+    from raytrain.data.manifest import load_split
+    from raytrain.data.plan import SamplePlan
+    from raytrain.trainer import train
+
+    data = prepare_data(f"{tmp}/dp-data", 400_000, seq_len=64, shard_rows=8)
+    split = load_split(f"{data}/train")
+    plan = SamplePlan.for_split(split, 0, 16)
+    steps = steps or plan.steps_per_epoch
+    log(f"   {len(split.shard_uris)} units of {max(split.shard_rows)} rows, {split.num_samples} rows; {steps} steps "
+        f"of global batch 16 = {'one epoch' if steps == plan.steps_per_epoch else f'{steps} steps'}")
+    out = []
+    for fmt in ("parquet", "webdataset"):
+        for n in workers if fmt == "parquet" else (2,):
+            cfg = load_config("tiny", [
+                f"data.train={data}/train", "data.val=null", f"data.format={fmt}", f"checkpoint.storage={tmp}/dp-runs",
+                f"run.name=dp-{fmt}-{n}", f"scaling.num_workers={n}", f"run.max_steps={steps}", "run.log_every=20",
+                "run.eval_every=0", "checkpoint.every_n_steps=100000", "checkpoint.save_final=false",
+                "run.max_failures=0", "model.n_layer=1", "model.hidden_size=32", "model.n_head=2", "model.seq_len=64",
+                "batch.micro_batch_size=4", "batch.gradient_accumulation_steps=null", "batch.global_batch_size=16"])
+            s = train(cfg, log=lambda *_: None)
+            log(f"   {fmt:10} N={n}: read amplification {s['read_amplification']:.3f} | rows read/worker "
+                f"{s['data_rows_read_per_worker']:.0f} (max {s['data_rows_read_max']:.0f}) for "
+                f"{s['data_rows_trained_per_worker']:.0f} trained | bytes fetched/worker "
+                f"{s['data_bytes_fetched_per_worker'] / 1e3:.0f} kB | data wait mean {s['data_wait_frac_mean']:.2%}, "
+                f"max {s['data_wait_frac_max']:.2%} | {s['tokens_per_s']:,.0f} tokens/s")
+            out.append(figure("dataplane", f"measured read amplification, {fmt}, N={n}", s["read_amplification"], "x",
+                              "SampleStream: every worker reads the global stream", float(n), "<= 1.25",
+                              met=s["read_amplification"] <= 1.25, workers=n, format=fmt,
+                              **{k: v for k, v in s.items() if k.startswith("data_")}))
+    return out

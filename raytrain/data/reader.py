@@ -99,6 +99,7 @@ class PlannedReader:
         self._cv = threading.Condition()
         self._lock = threading.Lock()
         self._stop = False
+        self._error: Optional[BaseException] = None
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="raytrain-read")
         self._producer = threading.Thread(target=self._produce, daemon=True, name="raytrain-plan-reader")
         self._producer.start()
@@ -106,6 +107,14 @@ class PlannedReader:
     # ------------------------------------------------------------------ producer (background thread)
 
     def _produce(self) -> None:
+        try:
+            self._schedule()
+        except BaseException as e:  # noqa: BLE001 - handed to the training thread
+            self._error = e
+            with self._cv:
+                self._cv.notify_all()
+
+    def _schedule(self) -> None:
         L = self.plan.steps_per_epoch
         epoch, t0 = divmod(self.step_next, L)
         while True:
@@ -134,7 +143,7 @@ class PlannedReader:
             return self._substitute(epoch, u, e)
         with self._lock:
             self.rows_read += len(rows)
-        return rows
+        return rows.astype(np.int32, copy=False)  # token ids: half the cache of int64
 
     def _substitute(self, epoch: int, u: int, e: BadUnit) -> np.ndarray:
         """A skipped unit's places are filled from the next readable unit in the epoch's order: a function of
@@ -155,7 +164,7 @@ class PlannedReader:
             with self._lock:
                 self.rows_read += len(rows)
             reps = -(-self.plan.units[u].rows // len(rows))
-            return np.concatenate([rows] * reps)[:self.plan.units[u].rows]
+            return np.concatenate([rows] * reps)[:self.plan.units[u].rows].astype(np.int32, copy=False)
         raise UserError(f"training data: no shard of {self.split.uri} can be read; restore the data or prepare it again")
 
     # ------------------------------------------------------------------ consumer (training thread)
@@ -186,8 +195,8 @@ class PlannedReader:
         deadline = time.monotonic() + self.stall_timeout_s
         with self._cv:
             while key not in self._cache:
-                if not self._producer.is_alive():
-                    raise RuntimeError("the plan reader's scheduler stopped")
+                if self._error is not None:
+                    raise self._error
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise UserError(self._stall())
