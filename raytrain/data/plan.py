@@ -139,10 +139,19 @@ class SamplePlan:
 
     def step(self, step: int, lanes: Optional[tuple[int, int]] = None) -> StepPlan:
         """The samples of global batch `step` (0-based) in lanes [lo, hi) (default: all of them)."""
+        ids, units, rows, epoch = self.block(step, 1, lanes)
+        return StepPlan(int(step), epoch, lanes or (0, self.global_batch), ids[0], units[0], rows[0])
+
+    def block(self, step: int, count: int, lanes: Optional[tuple[int, int]] = None):
+        """(ids, units, rows), each [count, lanes], and the epoch: global batches step .. step + count - 1 at once
+        (vectorised: what a reader computes ahead). The steps must lie in one epoch."""
         lo, hi = lanes or (0, self.global_batch)
         epoch, t = divmod(int(step), self.steps_per_epoch)
+        if t + count > self.steps_per_epoch:
+            raise ValueError(f"steps {step}..{step + count - 1} cross an epoch boundary")
         order, starts = self.epoch_order(epoch)
-        pos = np.arange(lo, hi, dtype=np.int64) * self.steps_per_epoch + t
+        pos = (np.arange(lo, hi, dtype=np.int64) * self.steps_per_epoch)[None, :] + \
+            np.arange(t, t + count, dtype=np.int64)[:, None]
         j = np.searchsorted(starts, pos, side="right") - 1
         units = order[j]
         off = pos - starts[j]
@@ -152,7 +161,7 @@ class SamplePlan:
             rows = keyed_permute(off, self.unit_rows[units], key).astype(np.int64)
         else:
             rows = off
-        return StepPlan(int(step), epoch, (lo, hi), self.unit_first_id[units] + rows, units, rows)
+        return self.unit_first_id[units] + rows, units, rows, epoch
 
     def lane_units(self, epoch: int, lanes: tuple[int, int], t0: int = 0) -> list[tuple[int, int, int]]:
         """(first step, last step, unit) in this epoch for every unit lanes [lo, hi) use at or after epoch step

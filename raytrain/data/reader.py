@@ -16,6 +16,7 @@ from __future__ import annotations
 import heapq
 import io
 import logging
+import queue
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -75,17 +76,27 @@ def read_unit(split: Split, unit, counter: Optional[storage.ReadCounter] = None)
 
 
 class PlannedReader:
-    """This rank's rows of global batch `step`, for steps start, start + 1, ... (strictly in order)."""
+    """This rank's rows of global batch `step`, for steps start, start + 1, ... (strictly in order).
+
+    Three parts: a scheduler thread submits unit reads to a pool in the order the plan first needs them
+    (at most `ahead` units before they are needed); an assembler thread computes the plan for blocks of
+    steps and gathers their rows from the units in memory (then lets go of units it is done with); the
+    training thread's `take` only pops a ready batch."""
 
     def __init__(self, split: Split, plan: SamplePlan, lanes: tuple[int, int], start_step: int = 0,
                  ahead: Optional[int] = None, threads: int = 4, stall_timeout_s: float = 600.0,
-                 on_bad_shard: str = "error", counter: Optional[storage.ReadCounter] = None):
+                 on_bad_shard: str = "error", counter: Optional[storage.ReadCounter] = None,
+                 end_step: Optional[int] = None):
         self.split, self.plan, self.lanes = split, plan, lanes
         self.step_next = start_step
+        # Nothing at or past end_step is read (the run's last step: no read-ahead wasted); extend_to moves it.
+        self.end_step = end_step if end_step is not None else 2 ** 62
         n_lanes = lanes[1] - lanes[0]
         # Units read before any lane needs them. All lanes can enter new units at the same step (when the
         # lane length is a multiple of the unit size), so up to one per lane, within a fixed bound.
         self.ahead = ahead or max(4, min(n_lanes, 32))
+        # Steps assembled at once: amortises the plan's vectorised work; ~1024 rows per block bounds memory.
+        self.block = max(1, min(32, 512 // max(1, n_lanes)))
         self.stall_timeout_s, self.on_bad_shard = stall_timeout_s, on_bad_shard
         self.counter = counter or storage.ReadCounter()
         self.rows_read = 0       # rows decoded from storage (whole units)
@@ -96,23 +107,33 @@ class PlannedReader:
         self._cache: dict[tuple[int, int], Future] = {}
         self._release: list[tuple[int, tuple[int, int]]] = []  # heap of (last global step, key)
         self._first: dict[tuple[int, int], int] = {}
+        self._assembled = start_step  # the first step not yet assembled
+        self._assembling = start_step  # the first step past the block being assembled
         self._cv = threading.Condition()
         self._lock = threading.Lock()
         self._stop = False
         self._error: Optional[BaseException] = None
+        self._ready: queue.Queue = queue.Queue(maxsize=2)  # blocks of assembled steps
+        self._current: list = []
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="raytrain-read")
-        self._producer = threading.Thread(target=self._produce, daemon=True, name="raytrain-plan-reader")
-        self._producer.start()
+        self._threads = [threading.Thread(target=self._guard, args=(fn,), daemon=True, name=f"raytrain-plan-{fn.__name__}")
+                         for fn in (self._schedule, self._assemble)]
+        for t in self._threads:
+            t.start()
 
-    # ------------------------------------------------------------------ producer (background thread)
-
-    def _produce(self) -> None:
+    def _guard(self, fn) -> None:
         try:
-            self._schedule()
+            fn()
         except BaseException as e:  # noqa: BLE001 - handed to the training thread
-            self._error = e
             with self._cv:
+                self._error = self._error or e
                 self._cv.notify_all()
+            try:
+                self._ready.put(e, timeout=5)
+            except queue.Full:
+                pass
+
+    # ------------------------------------------------------------------ scheduler (background thread)
 
     def _schedule(self) -> None:
         L = self.plan.steps_per_epoch
@@ -121,7 +142,8 @@ class PlannedReader:
             for first, last, unit in self.plan.lane_units(epoch, self.lanes, t0):
                 key = (epoch, unit)
                 with self._cv:
-                    while not self._stop and sum(1 for k, f in self._first.items() if f > self.step_next) >= self.ahead:
+                    while not self._stop and (epoch * L + first >= self.end_step or sum(
+                            1 for f in self._first.values() if f >= self._assembling) >= self.ahead):
                         self._cv.wait(1.0)
                     if self._stop:
                         return
@@ -167,29 +189,47 @@ class PlannedReader:
             return np.concatenate([rows] * reps)[:self.plan.units[u].rows].astype(np.int32, copy=False)
         raise UserError(f"training data: no shard of {self.split.uri} can be read; restore the data or prepare it again")
 
-    # ------------------------------------------------------------------ consumer (training thread)
+    # ------------------------------------------------------------------ assembler (background thread)
 
-    def take(self, step: Optional[int] = None) -> tuple[np.ndarray, StepPlan]:
-        """(rows of this rank's lanes for global batch `step`, the step's plan). Steps go strictly forward."""
-        step = self.step_next if step is None else step
-        if step != self.step_next:
-            raise ValueError(f"PlannedReader reads forward: asked for step {step}, next is {self.step_next}")
-        sp = self.plan.step(step, self.lanes)
-        t0 = time.perf_counter()
-        out = np.empty((len(sp.ids), self.split.seq_len + 1), np.int64)
-        for u in np.unique(sp.units):
-            mask = sp.units == u
-            out[mask] = self._unit((sp.epoch, int(u)))[sp.rows[mask]]
-        self.wait_s += time.perf_counter() - t0
-        self.rows_trained += len(sp.ids)
+    def _assemble(self) -> None:
+        L, width = self.plan.steps_per_epoch, self.split.seq_len + 1
+        s = self.step_next
+        while not self._stop:
+            with self._cv:
+                while not self._stop and s >= self.end_step:
+                    self._cv.wait(1.0)
+                count = min(self.block, L - s % L, self.end_step - s)
+            if self._stop:
+                return
+            ids, units, rows, epoch = self.plan.block(s, count, self.lanes)
+            with self._cv:
+                self._assembling = s + count  # units this block needs are not "ahead"
+                self._cv.notify_all()
+            out = np.empty(units.shape + (width,), np.int64)
+            for u in np.unique(units):
+                mask = units == u
+                out[mask] = self._unit((epoch, int(u)))[rows[mask]]
+            with self._cv:
+                self._assembled = s + count
+                while self._release and self._release[0][0] < self._assembled:
+                    _, key = heapq.heappop(self._release)
+                    self._cache.pop(key, None)
+                    self._first.pop(key, None)
+                self._cv.notify_all()
+            item = (s, epoch, ids, units, rows, out)
+            while not self._stop:
+                try:
+                    self._ready.put(item, timeout=1.0)
+                    break
+                except queue.Full:
+                    pass
+            s += count
+
+    def extend_to(self, end_step: int) -> None:
+        """Allow reading up to (not including) global batch end_step."""
         with self._cv:
-            self.step_next = step + 1
-            while self._release and self._release[0][0] <= step:
-                _, key = heapq.heappop(self._release)
-                self._cache.pop(key, None)
-                self._first.pop(key, None)
+            self.end_step = max(self.end_step, end_step)
             self._cv.notify_all()
-        return out, sp
 
     def _unit(self, key: tuple[int, int]) -> np.ndarray:
         deadline = time.monotonic() + self.stall_timeout_s
@@ -197,6 +237,8 @@ class PlannedReader:
             while key not in self._cache:
                 if self._error is not None:
                     raise self._error
+                if self._stop:
+                    raise RuntimeError("the reader was closed")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise UserError(self._stall())
@@ -206,6 +248,33 @@ class PlannedReader:
             return fut.result(timeout=max(1.0, deadline - time.monotonic()))
         except TimeoutError:
             raise UserError(self._stall()) from None
+
+    # ------------------------------------------------------------------ consumer (training thread)
+
+    def take(self, step: Optional[int] = None) -> tuple[np.ndarray, StepPlan]:
+        """(rows of this rank's lanes for global batch `step`, the step's plan). Steps go strictly forward."""
+        step = self.step_next if step is None else step
+        if step != self.step_next:
+            raise ValueError(f"PlannedReader reads forward: asked for step {step}, next is {self.step_next}")
+        if step >= self.end_step:
+            self.extend_to(step + 1)
+        if not self._current:
+            t0 = time.perf_counter()
+            try:
+                item = self._ready.get(timeout=self.stall_timeout_s)
+            except queue.Empty:
+                raise UserError(self._stall()) from None
+            self.wait_s += time.perf_counter() - t0
+            if isinstance(item, BaseException):
+                raise item
+            s0, epoch, ids, units, rows, out = item
+            self._current = [(s0 + i, StepPlan(s0 + i, epoch, self.lanes, ids[i], units[i], rows[i]), out[i])
+                             for i in range(len(ids))]
+        got, sp, rows = self._current.pop(0)
+        assert got == step, (got, step)
+        self.step_next = step + 1
+        self.rows_trained += len(sp.ids)
+        return rows, sp
 
     def _stall(self) -> str:
         return (f"no training data arrived for {self.stall_timeout_s:.0f}s from {self.split.uri}; check that its "

@@ -18,14 +18,16 @@ from raytrain.data.reader import PlannedReader
 
 class DataPlane:
     def __init__(self, split: Split, seed: int, shuffle: bool, global_batch: int, dp_rank: int, dp_size: int,
-                 position: int, stall_timeout_s: float = 600.0, on_bad_shard: str = "error", device="cpu"):
+                 position: int, steps_left: int, stall_timeout_s: float = 600.0, on_bad_shard: str = "error",
+                 device="cpu"):
         self.split, self.global_batch, self.dp_size = split, global_batch, dp_size
         self.plan = SamplePlan.for_split(split, seed, global_batch, shuffle)
         self.lanes = self.plan.lanes_of(dp_rank, dp_size)
         self.position = position  # samples of the global stream consumed (a multiple of the global batch)
         self.device = device
         self.reader = PlannedReader(split, self.plan, self.lanes, position // global_batch,
-                                    stall_timeout_s=stall_timeout_s, on_bad_shard=on_bad_shard)
+                                    stall_timeout_s=stall_timeout_s, on_bad_shard=on_bad_shard,
+                                    end_step=position // global_batch + steps_left)
         self._step = None
 
     @property
@@ -46,6 +48,10 @@ class DataPlane:
         """Move the position forward without training on what lies between (a rollback's skipped window)."""
         for _ in range(samples // self.global_batch):
             self.take()
+
+    def run_until(self, steps_left: int) -> None:
+        """The run needs `steps_left` more batches from the current position (after a rollback: more)."""
+        self.reader.extend_to(self.position // self.global_batch + steps_left)
 
     def fingerprint(self) -> int:
         """Of the sample ids of the whole global batch just taken, from the plan alone: equal across world sizes."""

@@ -124,8 +124,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
     state.restarts = max(state.restarts, history[1])
     boot["restore"] = time.time()
     # This rank's rows of each global batch, by the sample plan, read ahead in the background.
-    data = DataPlane(train_split, cfg.run.seed, cfg.data.shuffle, cfg.global_batch, dp_rank, dp_size,
-                     state.samples_seen, cfg.data.stall_timeout_s, cfg.data.on_bad_shard, device)
+    data = DataPlane(train_split, cfg.run.seed, cfg.data.shuffle, cfg.global_batch, dp_rank, dp_size, state.samples_seen,
+                     cfg.run.max_steps - state.step, cfg.data.stall_timeout_s, cfg.data.on_bad_shard, device)
 
     # Validation is small and read once, so a direct read beats starting a Ray Data pipeline for it.
     evaluate = Evaluator(val_split, cfg.data.eval_samples, cfg.batch.micro_batch_size, dp_rank, dp_size, device,
@@ -221,6 +221,7 @@ def _roll_back(p: _Parts, bad, state, win: "_Window"):
     """A bad loss: back to the newest checkpoint, past the bad batch (collective); returns the new state."""
     p.writer.wait()  # the newest checkpoint must be committed before it can be rolled back to
     state = rollback(bad, p.tel, p.engine, state, p.data, p.cfg.run_uri, p.cfg.global_batch)
+    p.data.run_until(p.cfg.run.max_steps - state.step)  # the steps since the checkpoint are trained again
     p.log.rewind(state.step)
     p.log.write({"step": state.step, "event": "rollback", **p.tel.rolled_back[-1]}, sync=True)
     win.reset()
