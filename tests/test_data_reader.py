@@ -139,13 +139,13 @@ def test_two_worker_run_trains_the_planned_batches_and_reports_its_reads(many_un
     from raytrain.trainer import train
     from tests.conftest import tiny_cfg
 
-    cfg = tiny_cfg(many_units, tmp_path, "planned", "data.val=null", "run.log_every=10", "checkpoint.every_n_steps=100",
-                   "checkpoint.save_final=false")
+    common = ("data.val=null", "run.log_every=5", "checkpoint.every_n_steps=100", "checkpoint.save_final=false",
+              "batch.micro_batch_size=8")  # global batch 16: one epoch is 15 steps
+    cfg = tiny_cfg(many_units, tmp_path, "planned", *common)
     split = load_split(many_units + "/train")
     plan = SamplePlan.for_split(split, cfg.run.seed, cfg.global_batch)
     steps = plan.steps_per_epoch  # one epoch
-    cfg = tiny_cfg(many_units, tmp_path, "planned", "data.val=null", "run.log_every=10", "checkpoint.every_n_steps=100",
-                   "checkpoint.save_final=false", f"run.max_steps={steps}")
+    cfg = tiny_cfg(many_units, tmp_path, "planned", *common, f"run.max_steps={steps}")
     summary = train(cfg, log=lambda *_: None)
     recs = [json.loads(x) for x in storage.read_text(storage.join(cfg.run_uri, "metrics.jsonl")).splitlines()]
     logged = [r for r in recs if "loss" in r]
