@@ -206,9 +206,11 @@ class PlannedReader:
                 self._assembling = s + count  # units this block needs are not "ahead"
                 self._cv.notify_all()
             out = np.empty(units.shape + (width,), np.int64)
-            for u in np.unique(units):
-                mask = units == u
-                out[mask] = self._unit((epoch, int(u)))[rows[mask]]
+            flat_units, flat_rows, flat_out = units.ravel(), rows.ravel(), out.reshape(-1, width)
+            order = np.argsort(flat_units, kind="stable")  # group the block's samples by unit
+            cuts = np.flatnonzero(np.diff(flat_units[order])) + 1
+            for idx in np.split(order, cuts):
+                flat_out[idx] = self._unit((epoch, int(flat_units[idx[0]])))[flat_rows[idx]]
             with self._cv:
                 self._assembled = s + count
                 while self._release and self._release[0][0] < self._assembled:
