@@ -76,13 +76,20 @@ def dataplane(log: Callable = print, workers=(8, 64, 512, 1024), batches=(512, 1
 def runs(tmp: str, log: Callable = print, workers=(1, 2, 4), steps: int = 0) -> list[dict]:
     """Real training runs under the plan (tiny model, CPU): read amplification, bytes fetched and data wait from
     the run's own counters (summary.json), one epoch of python-docs in 8-row shards (~190 units), global batch 16."""
-    from raytrain.bench.parts import figure, prepare_data
+    from raytrain.bench.parts import figure
     from raytrain.config import load_config
     from raytrain.data.manifest import load_split
     from raytrain.data.plan import SamplePlan
     from raytrain.trainer import train
 
-    data = prepare_data(f"{tmp}/dp-data", 400_000, seq_len=64, shard_rows=8)
+    import os
+
+    from raytrain.data.prepare import PrepareConfig, prepare
+
+    data = f"{tmp}/dp-data"
+    if not os.path.exists(f"{data}/train/manifest.json"):
+        prepare(PrepareConfig(inputs=["python-docs"], out=data, max_chars=400_000, seq_len=64, shard_rows=8,
+                              formats=["parquet", "webdataset"], engine="local"), log=lambda *_: None)
     split = load_split(f"{data}/train")
     plan = SamplePlan.for_split(split, 0, 16)
     steps = steps or plan.steps_per_epoch
