@@ -27,8 +27,6 @@ import numpy as np
 
 from raytrain.errors import UserError
 
-_M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
-
 
 def _mix(x: np.ndarray) -> np.ndarray:
     """splitmix64's finaliser, elementwise on uint64 (wrapping arithmetic)."""
