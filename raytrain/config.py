@@ -86,8 +86,8 @@ class DataConfig(_Section):
     val: Optional[str] = Field(None, description="URI of the prepared validation split; null: no validation")
     format: Literal["parquet", "webdataset"] = Field("parquet", description="shard format to train from (the dataset must have been prepared with it); both give the same sample order")
     shuffle: bool = Field(True, description="shuffle shard order and rows each epoch (deterministic from run.seed)")
-    shuffle_window: int = Field(4096, ge=1, description="rows shuffled together inside an epoch")
-    prefetch_batches: int = Field(2, ge=0, description="Ray Data blocks read ahead of training")
+    shuffle_window: int = Field(4096, ge=1, description="older SampleStream reader only (not training, which shuffles rows inside each unit of the sample plan): rows shuffled together inside an epoch")
+    prefetch_batches: int = Field(2, ge=0, description="older SampleStream reader only (training reads ahead under the sample plan): Ray Data blocks read ahead")
     pin_memory: bool = Field(True, description="GPU only: batches go to the device through pinned host memory with non-blocking copies (ignored on CPU, where batches are used in place)")
     eval_samples: int = Field(512, ge=1, description="validation sequences per evaluation (the first ones of val)")
     verify: Literal["size", "checksum"] = Field("size", description="check of every shard against the manifest before training: sizes (cheap) or sha256 (reads all data once)")
@@ -185,7 +185,7 @@ class CheckpointSection(_Section):
     staging_dir: Optional[str] = Field(None, description="local directory for the copy written before upload; default: the system temp dir")
     verify_on_resume: Literal["checksum", "size"] = Field("checksum", description="how the checkpoint to resume from is checked: sha256 of every file (reads it once more) or sizes only")
     on_preemption: bool = Field(True, description="checkpoint at once when a node is drained for preemption or a worker gets SIGTERM")
-    preemption_check_s: float = Field(2.0, ge=0, description="seconds between checks of Ray's preemption notice (a barrier across workers, so not every step); 0: every step")
+    preemption_check_s: float = Field(2.0, ge=0, description="unused: Ray's preemption notice is now read locally every step and agreed on through the step's loss all-reduce (kept so older configs still load)")
 
 
 class RunSection(_Section):

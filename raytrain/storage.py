@@ -6,7 +6,9 @@ AWS_REGION, the credential provider chain); nothing here reads or prints secrets
 
 from __future__ import annotations
 
+import io
 import os
+import threading
 from pathlib import Path
 from typing import Optional
 from urllib.parse import urlparse
@@ -108,6 +110,67 @@ def read_bytes(uri: str) -> bytes:
         raise UserError(f"not found: {uri}") from None
     except OSError as e:
         raise _fail(uri, e, "read") from None
+
+
+class ReadCounter:
+    """Bytes fetched from storage by this process's data reads (footers and metadata included)."""
+
+    def __init__(self):
+        self.bytes = 0
+        self.opens = 0
+        self._lock = threading.Lock()  # readers run on several threads
+
+    def add(self, nbytes: int = 0, opens: int = 0) -> None:
+        with self._lock:
+            self.bytes += nbytes
+            self.opens += opens
+
+
+READS = ReadCounter()
+
+
+class _CountedFile(io.RawIOBase):
+    """A seekable binary file over a pyarrow input file that adds every byte it returns to a ReadCounter."""
+
+    def __init__(self, f, counter: ReadCounter):
+        super().__init__()
+        self._f, self._counter = f, counter
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self._f.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self._f.tell()
+
+    def read(self, n: int = -1) -> bytes:
+        data = self._f.read() if n is None or n < 0 else self._f.read(n)
+        self._counter.add(len(data))
+        return data
+
+    def readinto(self, b) -> int:
+        data = self.read(len(b))
+        b[:len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        self._f.close()
+        super().close()
+
+
+def open_counted(uri: str, counter: Optional[ReadCounter] = None) -> io.RawIOBase:
+    """A random-access file whose reads count into `counter` (default: this process's READS). On S3 every
+    read is a ranged GET, so callers read in large pieces."""
+    counter = counter or READS
+    fs, path = resolve(uri)
+    f = fs.open_input_file(path)
+    counter.add(opens=1)
+    return _CountedFile(f, counter)
 
 
 def read_text(uri: str) -> str:

@@ -6,6 +6,8 @@ Parts (see raytrain/bench/parts.py):
   checkpoint  save / restore MB/s to a local S3-protocol server (moto) vs raw boto3; async vs sync upload stall
   recovery    seconds from a worker SIGKILL to the first resumed step; steps lost; tokens/s after vs before
   gpu         MFU of GPT-2-124M and a ~1B Llama in bf16 vs plain PyTorch + DeepSpeed (skipped without CUDA)
+  dataplane   the sample plan alone at N = 8..1024 on a synthetic 1 TB manifest: read amplification, per-worker cost
+  dataplane_runs  real CPU runs under the plan at 1, 2, 4 workers: read amplification, bytes, data wait (counters)
 
 Usage: .venv/bin/python scripts/bench.py [--quick] [--parts overhead,ingest,...] [--json out.json] [--markdown]
 --quick finishes in under 10 minutes on 2 CPU cores. Everything runs on 127.0.0.1.
@@ -26,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-PARTS = ("overhead", "ingest", "checkpoint", "recovery", "gpu")
+PARTS = ("overhead", "ingest", "checkpoint", "recovery", "gpu", "dataplane", "dataplane_runs")
 
 
 def versions() -> dict:
@@ -114,7 +116,7 @@ def main(argv: list[str] | None = None) -> dict:
             t = time.perf_counter()
             data = P.prepare_data(os.path.join(tmp, "data"), 300_000 if args.quick else 1_500_000)
             print(f"dataset prepared in {time.perf_counter() - t:.1f}s", flush=True)
-        if set(parts) & {"overhead", "ingest", "recovery"}:
+        if set(parts) & {"overhead", "ingest", "recovery", "dataplane_runs"}:
             import ray
 
             # Logical CPUs above the 2 training workers, so Ray Data always has room (pitfalls #1).
@@ -122,7 +124,8 @@ def main(argv: list[str] | None = None) -> dict:
                 from raytrain.ray_auth import ensure_token
 
                 ensure_token()
-                ray.init(address="local", num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False,
+                ray.init(address="local", num_cpus=max(6 if "dataplane_runs" in parts else 4, os.cpu_count() or 1),
+                         include_dashboard=False,
                          log_to_driver=False)
                 started_ray = True
         train_runs = None
@@ -173,6 +176,16 @@ def main(argv: list[str] | None = None) -> dict:
         if "gpu" in parts:
             section("5. GPU MFU (bf16, SDPA) vs plain PyTorch + DeepSpeed",
                     lambda: P.gpu(tmp, args.quick))
+        if "dataplane" in parts:
+            from raytrain.bench.dataplane import dataplane
+
+            section("6. dataplane: the sample plan alone (no data), 1 TB of 2049-token rows in 1024-row units",
+                    dataplane)
+        if "dataplane_runs" in parts:
+            from raytrain.bench.dataplane import runs as dataplane_runs
+
+            section("7. dataplane_runs: training under the plan, 1/2/4 workers, counters from summary.json",
+                    lambda: dataplane_runs(tmp))
     finally:
         if moto is not None:
             moto.terminate()

@@ -52,16 +52,17 @@ def test_agreement_flags_are_reduced_where_the_backend_can(monkeypatch):
 
     def all_reduce(t, op=None):
         seen.append(t.device)
-        t[2] = 1  # another rank asked for a checkpoint
+        t[3] = 1  # another rank asked for a checkpoint (the flags ride on the loss all-reduce)
 
     monkeypatch.setattr(dist, "all_reduce", all_reduce)
     notice = PreemptionNotice(0, 2, 60.0, enabled=False, carry_checkpoint=True, device=torch.device("meta"))
     with pytest.raises(NotImplementedError):  # a meta tensor has no values to read back; its device is the point
-        notice.poll(1)
+        notice.agree(torch.zeros((), device="meta"), 2)
     assert seen == [torch.device("meta")]
     seen.clear()
     notice = PreemptionNotice(0, 2, 60.0, enabled=False, carry_checkpoint=True)
-    assert notice.poll(1) is None and notice.checkpoint_agreed and seen == [torch.device("cpu")]
+    assert notice.agree(torch.tensor(3.0), 2) == 1.5  # the loss's mean over the 2 ranks
+    assert notice.checkpoint_agreed and notice.take() is None and seen == [torch.device("cpu")]
 
 
 def test_run_history_counts_earlier_attempts_and_ignores_a_torn_line(tmp_path):

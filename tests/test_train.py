@@ -161,15 +161,12 @@ def test_sigterm_checkpoints_at_once_and_resumes_identically(ray_cluster, tiny_d
     assert _crcs(cfg.run_uri) == _crcs(baseline[0]["run_uri"])
 
 
-def test_workers_taking_every_cpu_fail_clearly_instead_of_hanging(ray_cluster, tiny_data, tmp_path):
-    """4 logical CPUs, 2 workers x 2 CPUs: Ray Data gets none. The run must end with a diagnosis."""
-    # The stream reads each epoch's first shuffle window itself (no Ray Data); a small window leaves the
-    # rest of the epoch to Ray Data, which is what starves here.
+def test_workers_taking_every_cpu_still_get_their_data(ray_cluster, tiny_data, tmp_path):
+    """4 logical CPUs, 2 workers x 2 CPUs: nothing left for Ray Data tasks. Training reads under the sample
+    plan inside each worker (no Ray Data, so nothing to starve): the run trains (it once stalled here)."""
     cfg = tiny_cfg(tiny_data, tmp_path, "starved", "scaling.cpus_per_worker=2", "data.stall_timeout_s=20",
-                   "data.shuffle_window=8", "checkpoint.every_n_steps=1000")
-    with pytest.raises(UserError, match="no training data arrived for 20s .* need free CPUs"):
-        train(cfg, log=lambda *_: None)
-    assert not list(tmp_path.rglob("checkpoint_*"))
+                   "run.max_steps=3", "checkpoint.every_n_steps=1000", "checkpoint.save_final=false")
+    assert train(cfg, log=lambda *_: None)["steps"] == 3
 
 
 def test_corrupt_newest_checkpoint_resumes_from_the_previous_one(ray_cluster, tiny_data, tmp_path, baseline):

@@ -1,14 +1,17 @@
 """The per-worker training loop (runs inside each Ray Train worker). Readable top to bottom.
 
-Everything that is not "take a batch, step the engine" is a component it calls: the sample stream
-(data position), the checkpoint path, the evaluator and the run log.
+Everything that is not "take a batch, step the engine" is a component it calls: the data plane
+(this rank's rows by the sample plan, and the data position), the checkpoint path, the evaluator and the run log.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 import time
-import zlib
+
+from typing import Optional
 
 import numpy as np
 import torch
@@ -17,13 +20,13 @@ import torch.distributed as dist
 from raytrain import storage
 from raytrain.config import Config
 from raytrain.data.manifest import Split
-from raytrain.data.stream import SampleStream
 from raytrain.quiet import no_stdout, quiet_worker
 from raytrain.ds_config import build_ds_config, lr_lambda, resolve_dtype
 from raytrain.errors import UserError
 from raytrain.model import build_model, compile_engine, flops_per_token, moe_aux_loss, param_counts
 from raytrain.worker import checkpoint as ckpt
 from raytrain.worker.comm import FAILURE_FILE as COMM_FAILURE_FILE, CommWatch
+from raytrain.worker.data_plane import DataPlane
 from raytrain.worker.evaluate import Evaluator, lm_loss
 from raytrain.worker.interval import CheckpointInterval, run_history
 from raytrain.worker.preemption import PreemptionNotice
@@ -78,17 +81,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     val_split = Split.from_dict(loop_config["val_split"]) if loop_config.get("val_split") else None
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    cuda = cfg.scaling.use_gpu and torch.cuda.is_available()
-    if cfg.scaling.use_gpu and not cuda:
-        # The process group is NCCL already; a CPU fallback would fail later with a cryptic NCCL error.
-        raise UserError(f"scaling.use_gpu=true but this worker's torch {torch.__version__} sees no CUDA device "
-                        f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): install a CUDA "
-                        "build of torch on the GPU nodes, or set scaling.use_gpu=false")
-    device = ray.train.torch.get_device() if cuda else torch.device("cpu")
-    torch.set_num_threads(max(1, int(cfg.scaling.cpus_per_worker)))
-    # Same seed on every rank: identical initial weights; data differs by slice, not by RNG.
-    torch.manual_seed(cfg.run.seed)
-    np.random.seed(cfg.run.seed)
+    cuda, device = _device(cfg, ray.train.torch)
 
     # Resume point first: the newest committed checkpoint in the run directory, whether this is a worker
     # restart inside one job or the same run submitted again. (Ray's own registry can miss the newest
@@ -129,12 +122,9 @@ def train_loop_per_worker(loop_config: dict) -> None:
     history = run_history(cfg.run_uri)
     state.restarts = max(state.restarts, history[1])
     boot["restore"] = time.time()
-    # Started only now: on small machines, Ray Data's start-up competing with DeepSpeed's
-    # initialisation slowed both down more than running them one after the other.
-    stream = SampleStream(train_split, cfg.run.seed, cfg.data.shuffle, cfg.data.shuffle_window, state.samples_seen,
-                          reader=loop_config.get("reader", "ray"), prefetch=cfg.data.prefetch_batches,
-                          read_cpus=cfg.scaling.data_cpus / max(1, world), background=True,
-                          stall_timeout_s=cfg.data.stall_timeout_s, on_bad_shard=cfg.data.on_bad_shard).start()
+    # This rank's rows of each global batch, by the sample plan, read ahead in the background.
+    data = DataPlane(train_split, cfg.run.seed, cfg.data.shuffle, cfg.global_batch, dp_rank, dp_size, state.samples_seen,
+                     cfg.run.max_steps - state.step, cfg.data.stall_timeout_s, cfg.data.on_bad_shard, device)
 
     # Validation is small and read once, so a direct read beats starting a Ray Data pipeline for it.
     evaluate = Evaluator(val_split, cfg.data.eval_samples, cfg.batch.micro_batch_size, dp_rank, dp_size, device,
@@ -149,156 +139,272 @@ def train_loop_per_worker(loop_config: dict) -> None:
     interval.seed([r["ckpt_stall_s"] for r in log.history if isinstance(r.get("ckpt_stall_s"), (int, float))])
     notice = PreemptionNotice(rank, world, cfg.checkpoint.preemption_check_s, cfg.checkpoint.on_preemption,
                               carry_checkpoint=interval.auto, device=device)
-    config_yaml = cfg.to_yaml()
-    mb, acc, gb, seq = cfg.batch.micro_batch_size, cfg.accumulation, cfg.global_batch, cfg.model.seq_len
-    fpt = flops_per_token(n_active, cfg.model)
-    tel = Telemetry(cfg, rank, world, cuda, fpt, log=say)  # metrics export, phase timers, health rules
-    # Names the collective a rank waits in; a timeout becomes a diagnosis, not a hang.
-    comm_file = storage.join(cfg.run_uri, COMM_FAILURE_FILE)
-    if rank == 0:
-        storage.delete_file(comm_file)  # an earlier attempt's diagnosis must not explain this one's end
-    comm = CommWatch(rank, world, "nccl" if cuda else "gloo", cfg.scaling.collective_timeout_s,
-                     count=lambda rule: tel.metrics.count("raytrain_health_violations_total", rule=rule),
-                     report=lambda msg: storage.write_text(comm_file, msg),
-                     retract=lambda: storage.delete_file(comm_file))
-    if rank == 0:
-        workers = f"{world} workers" if dp_size == world else f"{dp_size} data-parallel x {world // dp_size} tensor-parallel workers"
-        say(f"{cfg.model.family} {n_params/1e6:.2f}M params | {workers} x micro_batch {mb} x "
-              f"accumulation {acc} = global batch {gb} sequences ({gb*seq} tokens) | ZeRO-{cfg.deepspeed.zero_stage} "
-              f"{dtype} | {'resuming from step ' + str(state.step) if resumed else 'fresh start'} | "
-              f"checkpoints {interval.describe()}")
-
-    if evaluate and state.step == 0:
-        val_loss, val_ppl = evaluate(engine)
-        log.write({"step": 0, "val_loss": val_loss, "val_ppl": val_ppl})
-        log.console({"step": 0, "val_loss": val_loss, "val_ppl": val_ppl})
+    acc, gb = cfg.accumulation, cfg.global_batch
+    tel = Telemetry(cfg, rank, world, cuda, flops_per_token(n_active, cfg.model), log=say)  # metrics, timers, health
+    comm = _comm_watch(cfg, rank, world, cuda, tel)  # names the collective a rank waits in
+    parts = _Parts(cfg, rank, world, engine, data, tel, log, writer, interval, notice, evaluate, dtype)
+    _start(parts, state, n_params, dp_size, resumed is not None)
 
     last_ckpt = ckpt.dir_name(state.step) if resumed else None
     crash_at = _crash_hook(loop_config.get("inject") or {}, rank)
-    # Where this attempt started and when its first step was done: recovery time, steps lost, cost.
-    beat = Heartbeat(cfg.run_uri, enabled=rank == 0).start(state.restarts, state.step)
-    attempt = {"attempt": state.restarts, "resumed_step": state.step, "time": round(t_start, 3),
-               "world_size": world, **({"previous_progress": beat.previous} if beat.previous else {})} \
-        if rank == 0 else None
     poison = nan_hook(loop_config.get("inject") or {}, rank, gb)
-    window_t, window_steps, data_wait = time.perf_counter(), 0, 0.0
-    boot["setup"] = time.time()
+    first = _Attempt(cfg.run_uri, rank, world, state, t_start, boot)  # recovery time, steps lost, cost
+    win = _Window()
     while state.step < cfg.run.max_steps:
-        t0 = time.perf_counter()
         nxt = state.step + 1
         tel.timer.step(sample=nxt % cfg.run.log_every == 0 or nxt == cfg.run.max_steps)
-        batch = stream.take(gb)  # the whole global batch; this rank trains on its slice of it
-        if attempt is not None:
-            boot["first_batch"] = time.time()
-        # A fingerprint of exactly which samples this step trained on: resumed runs are checked against it.
-        batch_crc = zlib.crc32(np.ascontiguousarray(batch).tobytes())
-        data_wait += (waited := time.perf_counter() - t0)
-        tel.timer.add("data_wait", waited)
-        loss_sum = torch.zeros((), device=device)
-        aux_sum = torch.zeros((), device=device)  # MoE router load-balancing loss, logged as aux_loss
+        with win.waiting(tel):
+            rows = data.take()  # this rank's lanes of the global batch: [acc * micro_batch, seq_len + 1]
+        first.got_batch()
         comm.step = state.step + 1
         with oom_guard(cfg, world, cuda), comm("forward/backward and the optimizer step (gradient all-reduce)"):
-            for a in range(acc):
-                rows = batch[(a * dp_size + dp_rank) * mb:(a * dp_size + dp_rank + 1) * mb]
-                x = _to_device(rows, device, cfg.data.pin_memory)
-                with tel.timer("forward_backward"):
-                    loss = poison(state.samples_seen, lm_loss(engine, x))
-                    aux = moe_aux_loss(engine.module)
-                    engine.backward(loss if aux is None else loss + cfg.model.moe_aux_loss_coef * aux)
-                with tel.timer("optimizer"):
-                    engine.step()  # DeepSpeed only updates at the accumulation boundary
-                loss_sum += loss.detach().float()
-                aux_sum += aux.detach().float() if aux is not None else 0.0
+            loss_sum, aux_sum = _train_step(engine, rows, cfg, device, tel, poison, state.samples_seen)
         state.step += 1
-        beat.beat(state.step)
+        first.beat.beat(state.step)
         crash_at(state.step)
-        # Every step, one scalar all-reduce: all ranks judge the same loss, so all take the same action.
-        with comm("the all-reduce of the step loss"):
-            step_loss = _mean_across_ranks(loss_sum / acc, world)
+        # Every step, one all-reduce: the loss (all ranks judge the same loss, so all take the same action),
+        # with the preemption flags and rank 0's "checkpoint now" (auto interval) riding along.
+        with comm("the per-step all-reduce (loss, preemption notice, checkpoint agreement)"):
+            step_loss = notice.agree(loss_sum / acc, world,
+                                     want_checkpoint=interval.auto and rank == 0 and interval.due(state.step))
         bad = tel.health.check_step(state.step, step_loss)
         if bad is not None and bad.action != "warn":
-            writer.wait()  # the newest checkpoint must be committed before it can be rolled back to
-            state = rollback(bad, tel, engine, state, stream, cfg.run_uri, gb)
-            log.rewind(state.step)
-            log.write({"step": state.step, "event": "rollback", **tel.rolled_back[-1]}, sync=True)
-            window_t, window_steps, data_wait = time.perf_counter(), 0, 0.0
-            tel.timer.take(1)
+            state = _roll_back(parts, bad, state, win)
             continue
-        # Collective, every step: all ranks agree on when to save (a notice, or rank 0's auto interval).
-        with comm("the per-step agreement all-reduce (preemption notice, checkpoint)"):
-            preempted = notice.poll(state.step, want_checkpoint=interval.auto and rank == 0 and interval.due(state.step))
-        if attempt is not None:
-            record_attempt(cfg.run_uri, {**attempt, "first_step_time": round(time.time(), 3),
-                                         "startup_s": {k: round(v - t_start, 3) for k, v in boot.items()}})
-            attempt = None
+        preempted = notice.take()
+        first.stepped()
         state.samples_seen += gb
-        state.tokens_seen += gb * seq
-        window_steps += 1
+        state.tokens_seen += gb * cfg.model.seq_len
+        win.steps += 1
 
-        last = state.step == cfg.run.max_steps
-        do_log = state.step % cfg.run.log_every == 0 or last
-        do_eval = evaluate is not None and ((cfg.run.eval_every and state.step % cfg.run.eval_every == 0) or last)
-        scheduled = notice.checkpoint_agreed if interval.auto else interval.due(state.step)
-        do_ckpt = scheduled or (last and cfg.checkpoint.save_final) or preempted is not None
-        if not (do_log or do_eval or do_ckpt):
-            continue
+        _after_step(parts, state, step_loss, aux_sum / acc, win, preempted)
 
-        rec: dict = {"step": state.step}
-        if do_log:
-            # Collective: every rank computes the same do_log, so this all-reduce never hangs.
-            rec["loss"] = step_loss
-            if cfg.model.family == "mixtral":
-                rec["aux_loss"] = _mean_across_ranks(aux_sum / acc, world)
-            dt = time.perf_counter() - window_t
-            tps = window_steps * gb * seq / dt
-            grad_norm = engine.get_global_grad_norm()
-            rec.update({
-                "lr": engine.get_lr()[0], "grad_norm": float(grad_norm) if grad_norm is not None else None,
-                "tokens_per_s": tps, "samples_per_s": window_steps * gb / dt,
-                "tflops_per_worker": fpt * tps / world / 1e12, "data_wait_frac": data_wait / dt,
-                "tokens_seen": state.tokens_seen, "epoch": stream.epoch, "batch_crc32": batch_crc, "data_skipped_shards": len(stream.skipped),
-            })
-            if dtype == "fp16":
-                # Loss-scale overflows: DeepSpeed skips the update (and the lr schedule's step) on its own.
-                rec["fp16_skipped_steps"] = engine.skipped_steps
-            rec.update(tel.log_step(rec, state, window_steps, dt))
-            window_t, window_steps, data_wait = time.perf_counter(), 0, 0.0
-        if do_eval:
-            rec["val_loss"], rec["val_ppl"] = evaluate(engine)
-        tel.observe(rec, sync=do_eval or do_ckpt)
-        log.write(rec, sync=True if (do_eval or do_ckpt) else None)
-        if do_ckpt:
-            if preempted and rank == 0:
-                say(f"preemption notice at step {state.step}: {preempted}; checkpointing now")
-            name = writer.save(engine, state, config_yaml)
-            tel.checkpoint_saved(writer.last_stall_s)
-            interval.saved(writer.last_stall_s)
-            log.write({"step": state.step, "checkpoint": name, "ckpt_stall_s": writer.last_stall_s,
-                       "ckpt_mode": cfg.checkpoint.upload, "preemption_checkpoint": preempted is not None,
-                       **({"auto_interval_s": round(interval.interval_s, 2)} if interval.auto else {})})
-            log.checkpoint = name
-        if do_log or do_eval:
-            log.console(rec)  # after the save: the line names the checkpoint this step wrote
-        if do_ckpt:
-            if preempted:
-                # The notice's checkpoint must be committed before any rank leaves.
-                writer.wait()
-                if world > 1:
-                    dist.barrier()
-                notice.exit_if_terminated()
-                notice.hold()
-        if do_eval:
-            # Metrics-only reports are kept to eval steps: each report waits for Ray Train's controller
-            # to collect it (about a second), which would throttle a loop that logs every step.
-            ray.train.report(rec)
-
+    data_stats = data.stats(world, win.since_start())  # collective: every rank
+    data.close()
     writer.wait()  # the final upload and commit
-    beat.close()
-    last_ckpt = writer.committed or last_ckpt
+    first.beat.close()
     if rank == 0:
-        _write_summary(cfg, log, state, last_ckpt, n_params, extra=tel.summary())
+        _write_summary(cfg, log, state, writer.committed or last_ckpt, n_params, extra={**tel.summary(), **data_stats})
     tel.close()
     comm.close()
+
+
+@dataclasses.dataclass
+class _Parts:
+    """The components a step's reporting and checkpointing use."""
+
+    cfg: Config
+    rank: int
+    world: int
+    engine: object
+    data: DataPlane
+    tel: Telemetry
+    log: RunLog
+    writer: ckpt.CheckpointWriter
+    interval: CheckpointInterval
+    notice: PreemptionNotice
+    evaluate: Optional[Evaluator]
+    dtype: str
+
+
+def _start(p: _Parts, state, n_params: int, dp_size: int, resumed: bool) -> None:
+    """The run's opening line (rank 0) and, on a fresh start, the step-0 validation (collective)."""
+    if p.rank == 0:
+        say(_banner(p.cfg, n_params, p.world, dp_size, p.dtype, state.step if resumed else None, p.interval))
+    if p.evaluate and state.step == 0:
+        val_loss, val_ppl = p.evaluate(p.engine)
+        p.log.write({"step": 0, "val_loss": val_loss, "val_ppl": val_ppl})
+        p.log.console({"step": 0, "val_loss": val_loss, "val_ppl": val_ppl})
+
+
+def _roll_back(p: _Parts, bad, state, win: "_Window"):
+    """A bad loss: back to the newest checkpoint, past the bad batch (collective); returns the new state."""
+    p.writer.wait()  # the newest checkpoint must be committed before it can be rolled back to
+    state = rollback(bad, p.tel, p.engine, state, p.data, p.cfg.run_uri, p.cfg.global_batch)
+    p.data.run_until(p.cfg.run.max_steps - state.step)  # the steps since the checkpoint are trained again
+    p.log.rewind(state.step)
+    p.log.write({"step": state.step, "event": "rollback", **p.tel.rolled_back[-1]}, sync=True)
+    win.reset()
+    p.tel.timer.take(1)
+    return state
+
+
+def _after_step(p: _Parts, state, step_loss: float, aux: torch.Tensor, win: "_Window", preempted: Optional[str]) -> None:
+    """Log, evaluate, checkpoint when due (every rank decides alike: the collectives inside never hang)."""
+    cfg, last = p.cfg, state.step == p.cfg.run.max_steps
+    do_log = state.step % cfg.run.log_every == 0 or last
+    do_eval = p.evaluate is not None and ((cfg.run.eval_every and state.step % cfg.run.eval_every == 0) or last)
+    scheduled = p.notice.checkpoint_agreed if p.interval.auto else p.interval.due(state.step)
+    do_ckpt = scheduled or (last and cfg.checkpoint.save_final) or preempted is not None
+    if not (do_log or do_eval or do_ckpt):
+        return
+    rec: dict = {"step": state.step}
+    if do_log:
+        rec.update(_log_record(cfg, p.engine, state, p.data, p.tel, p.world, step_loss, aux, win, p.dtype))
+    if do_eval:
+        rec["val_loss"], rec["val_ppl"] = p.evaluate(p.engine)
+    p.tel.observe(rec, sync=do_eval or do_ckpt)
+    p.log.write(rec, sync=True if (do_eval or do_ckpt) else None)
+    if do_ckpt:
+        _checkpoint(cfg, p.engine, state, p.writer, p.tel, p.interval, p.log, p.rank, preempted)
+    p.log.console(rec)  # after the save: the line names the checkpoint this step wrote
+    if preempted:
+        # The notice's checkpoint must be committed before any rank leaves.
+        p.writer.wait()
+        if p.world > 1:
+            dist.barrier()
+        p.notice.exit_if_terminated()
+        p.notice.hold()
+    if do_eval:
+        import ray.train
+
+        # Metrics-only reports are kept to eval steps: each report waits for Ray Train's controller
+        # to collect it (about a second), which would throttle a loop that logs every step.
+        ray.train.report(rec)
+
+
+class _Window:
+    """Time, steps and data wait since the last log line (throughput is measured per window)."""
+
+    def __init__(self):
+        self.t_start = time.perf_counter()
+        self.reset()
+
+    def reset(self) -> None:
+        self.t, self.steps, self.data_wait = time.perf_counter(), 0, 0.0
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t
+
+    def since_start(self) -> float:
+        return time.perf_counter() - self.t_start
+
+    @contextlib.contextmanager
+    def waiting(self, tel: Telemetry):
+        t0 = time.perf_counter()
+        yield
+        waited = time.perf_counter() - t0
+        self.data_wait += waited
+        tel.timer.add("data_wait", waited)
+
+
+class _Attempt:
+    """Where this attempt started and when its first step was done (rank 0 records it): recovery time, steps
+    lost, cost. Owns the heartbeat that tells a later attempt how far this one got."""
+
+    def __init__(self, run_uri: str, rank: int, world: int, state, t_start: float, boot: dict):
+        self.run_uri, self.t_start, self.boot = run_uri, t_start, boot
+        self.beat = Heartbeat(run_uri, enabled=rank == 0).start(state.restarts, state.step)
+        self.rec = {"attempt": state.restarts, "resumed_step": state.step, "time": round(t_start, 3),
+                    "world_size": world, **({"previous_progress": self.beat.previous} if self.beat.previous else {})} \
+            if rank == 0 else None
+        boot["setup"] = time.time()
+
+    def got_batch(self) -> None:
+        if self.rec is not None:
+            self.boot["first_batch"] = time.time()
+
+    def stepped(self) -> None:
+        if self.rec is not None:
+            record_attempt(self.run_uri, {**self.rec, "first_step_time": round(time.time(), 3),
+                                          "startup_s": {k: round(v - self.t_start, 3) for k, v in self.boot.items()}})
+            self.rec = None
+
+
+def _device(cfg: Config, train_torch) -> tuple[bool, torch.device]:
+    """(cuda, this worker's device); also the torch threads and seeds every rank shares."""
+    cuda = cfg.scaling.use_gpu and torch.cuda.is_available()
+    if cfg.scaling.use_gpu and not cuda:
+        # The process group is NCCL already; a CPU fallback would fail later with a cryptic NCCL error.
+        raise UserError(f"scaling.use_gpu=true but this worker's torch {torch.__version__} sees no CUDA device "
+                        f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): install a CUDA "
+                        "build of torch on the GPU nodes, or set scaling.use_gpu=false")
+    device = train_torch.get_device() if cuda else torch.device("cpu")
+    torch.set_num_threads(max(1, int(cfg.scaling.cpus_per_worker)))
+    # Same seed on every rank: identical initial weights; data differs by lane, not by RNG.
+    torch.manual_seed(cfg.run.seed)
+    np.random.seed(cfg.run.seed)
+    return cuda, device
+
+
+def _comm_watch(cfg: Config, rank: int, world: int, cuda: bool, tel: Telemetry) -> CommWatch:
+    """Names the collective a rank waits in; a timeout becomes a diagnosis (in the run directory), not a hang."""
+    comm_file = storage.join(cfg.run_uri, COMM_FAILURE_FILE)
+    if rank == 0:
+        storage.delete_file(comm_file)  # an earlier attempt's diagnosis must not explain this one's end
+    return CommWatch(rank, world, "nccl" if cuda else "gloo", cfg.scaling.collective_timeout_s,
+                     count=lambda rule: tel.metrics.count("raytrain_health_violations_total", rule=rule),
+                     report=lambda msg: storage.write_text(comm_file, msg),
+                     retract=lambda: storage.delete_file(comm_file))
+
+
+def _banner(cfg: Config, n_params: int, world: int, dp_size: int, dtype: str, resumed_step, interval) -> str:
+    mb, acc, gb, seq = cfg.batch.micro_batch_size, cfg.accumulation, cfg.global_batch, cfg.model.seq_len
+    workers = f"{world} workers" if dp_size == world else f"{dp_size} data-parallel x {world // dp_size} tensor-parallel workers"
+    return (f"{cfg.model.family} {n_params/1e6:.2f}M params | {workers} x micro_batch {mb} x "
+            f"accumulation {acc} = global batch {gb} sequences ({gb*seq} tokens) | ZeRO-{cfg.deepspeed.zero_stage} "
+            f"{dtype} | {'resuming from step ' + str(resumed_step) if resumed_step is not None else 'fresh start'} | "
+            f"checkpoints {interval.describe()}")
+
+
+def _train_step(engine, rows: np.ndarray, cfg: Config, device, tel: Telemetry, poison,
+                samples_seen: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward/backward over this rank's micro-batches and the optimizer step; (loss sum, MoE aux loss sum)."""
+    mb, acc = cfg.batch.micro_batch_size, cfg.accumulation
+    loss_sum = torch.zeros((), device=device)
+    aux_sum = torch.zeros((), device=device)  # MoE router load-balancing loss, logged as aux_loss
+    for a in range(acc):
+        x = _to_device(rows[a * mb:(a + 1) * mb], device, cfg.data.pin_memory)
+        with tel.timer("forward_backward"):
+            loss = poison(samples_seen, lm_loss(engine, x))
+            aux = moe_aux_loss(engine.module)
+            engine.backward(loss if aux is None else loss + cfg.model.moe_aux_loss_coef * aux)
+        with tel.timer("optimizer"):
+            engine.step()  # DeepSpeed only updates at the accumulation boundary
+        loss_sum += loss.detach().float()
+        aux_sum += aux.detach().float() if aux is not None else 0.0
+    return loss_sum, aux_sum
+
+
+def _log_record(cfg: Config, engine, state, data: DataPlane, tel: Telemetry, world: int, step_loss: float,
+                aux: torch.Tensor, win: _Window, dtype: str) -> dict:
+    """A log step's figures; starts the next window (collective: the MoE aux loss and the data counters are
+    all-reduced)."""
+    gb, seq, fpt = cfg.global_batch, cfg.model.seq_len, tel.fpt
+    window_steps, dt, data_wait = win.steps, win.elapsed(), win.data_wait
+    rec: dict = {"loss": step_loss}
+    if cfg.model.family == "mixtral":
+        rec["aux_loss"] = _mean_across_ranks(aux, world)
+    tps = window_steps * gb * seq / dt
+    grad_norm = engine.get_global_grad_norm()
+    rec.update({
+        "lr": engine.get_lr()[0], "grad_norm": float(grad_norm) if grad_norm is not None else None,
+        "tokens_per_s": tps, "samples_per_s": window_steps * gb / dt,
+        "tflops_per_worker": fpt * tps / world / 1e12, "data_wait_frac": data_wait / dt,
+        "tokens_seen": state.tokens_seen, "epoch": data.epoch,
+        # Which samples this step trained on, from the plan (resumed runs are checked against it).
+        "batch_crc32": data.fingerprint(),
+        **data.stats(world, win.since_start()),
+    })
+    if dtype == "fp16":
+        # Loss-scale overflows: DeepSpeed skips the update (and the lr schedule's step) on its own.
+        rec["fp16_skipped_steps"] = engine.skipped_steps
+    rec.update(tel.log_step({"step": state.step, **rec}, state, window_steps, dt))
+    win.reset()
+    return rec
+
+
+def _checkpoint(cfg: Config, engine, state, writer, tel: Telemetry, interval, log: RunLog, rank: int, preempted) -> None:
+    """Save (collective) and record what it cost; the progress line names it."""
+    if preempted and rank == 0:
+        say(f"preemption notice at step {state.step}: {preempted}; checkpointing now")
+    name = writer.save(engine, state, cfg.to_yaml())
+    tel.checkpoint_saved(writer.last_stall_s)
+    interval.saved(writer.last_stall_s)
+    log.write({"step": state.step, "checkpoint": name, "ckpt_stall_s": writer.last_stall_s,
+               "ckpt_mode": cfg.checkpoint.upload, "preemption_checkpoint": preempted is not None,
+               **({"auto_interval_s": round(interval.interval_s, 2)} if interval.auto else {})})
+    log.checkpoint = name
 
 
 def _crash_hook(inject: dict, rank: int):

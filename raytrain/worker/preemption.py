@@ -1,10 +1,10 @@
 """Preemption notices: agreement across ranks that the run must checkpoint now (node drain or SIGTERM).
 
 Two sources. Ray reports a node being drained for preemption (a spot interruption notice turned into
-a drain by the autoscaler / KubeRay, or `ray drain-node`) through `ray.train.get_preemption_info()`,
-itself a barrier across workers. A SIGTERM reaches only the processes on one node, so each rank sets
-a local flag and a one-element all-reduce each step makes every rank see it at the same step - a
-checkpoint is collective, so all ranks must decide together.
+a drain by the autoscaler / KubeRay, or `ray drain-node`): Ray Train's watcher writes it into every
+worker's train context, which each rank reads locally. A SIGTERM reaches only the processes on one node,
+so each rank sets a local flag. Both ride on the step's loss all-reduce, so every rank sees them at the
+same step - a checkpoint is collective, so all ranks must decide together - and no rank makes a Ray call.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ class PreemptionNotice:
         # checkpoint.every_n_steps=auto: rank 0's "checkpoint now" rides on the same all-reduce.
         self.carry_checkpoint = carry_checkpoint
         self.checkpoint_agreed = False
-        self._last_check = time.monotonic()
+        self.pending: Optional[str] = None
+        self._info_broken = False
         self.sigterm = _SIGTERM
         self._drain_seen = self._sigterm_seen = False
         self.deadline_ms: Optional[int] = None
@@ -49,41 +50,62 @@ class PreemptionNotice:
             say(f"warning: rank {self.rank}: SIGTERM handler not installed ({_first_line(e)}); only drain "
                 "notices will trigger a preemption checkpoint")
 
-    def poll(self, step: int, want_checkpoint: bool = False) -> Optional[str]:
-        """Called by every rank after every step; returns a reason once per new notice, else None.
-        `checkpoint_agreed` then says whether any rank passed `want_checkpoint`."""
-        self.checkpoint_agreed = False
-        if not (self.enabled or self.carry_checkpoint):
-            return None
-        # [any rank got SIGTERM, rank 0's clock says it is time to ask Ray, a scheduled checkpoint]: one
-        # all-reduce carries all three, so the (barrier) query to Ray happens on every rank at the same
-        # step, every check_s seconds, and every rank saves at the same step.
-        due = (self.enabled and self.rank == 0 and not self._drain_seen
-               and time.monotonic() - self._last_check >= self.check_s)
-        sig = self.enabled and self.sigterm.is_set()
-        flag = torch.tensor([int(sig), int(due), int(want_checkpoint)], dtype=torch.int32)
-        if self.world > 1:
-            flag = flag.to(self.device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        sigterm, due, self.checkpoint_agreed = flag.tolist()
-        if sigterm and not self._sigterm_seen:
-            self._sigterm_seen = True
-            return "SIGTERM"
-        if due:
-            self._last_check = time.monotonic()
-            import ray.train
+    def agree(self, loss: torch.Tensor, world: int, want_checkpoint: bool = False) -> float:
+        """The step's one collective: the mean of `loss` across ranks, with every rank's flags riding along
+        ([loss, SIGTERM seen here, drain notice seen here, rank 0 wants an automatic checkpoint], summed).
 
+        No Ray call: Ray Train's preemption watcher pushes a drain notice into every worker's own train
+        context, which is read here locally; the all-reduce makes every rank act on it at the same step.
+        A notice found is kept in `pending` until `take()` (a rollback step does not lose it)."""
+        self.checkpoint_agreed = False
+        watch = self.enabled or self.carry_checkpoint
+        sig = self.enabled and self.sigterm.is_set() and not self._sigterm_seen
+        drain = self.enabled and not self._drain_seen and self._local_info() is not None
+        v = loss.detach().float().reshape(1)
+        if watch:
+            v = torch.cat([v, torch.tensor([float(sig), float(drain), float(want_checkpoint)], device=v.device)])
+        if world > 1:
+            dist.all_reduce(v)
+            v = v / world
+        out = v.tolist()
+        if not watch:
+            return out[0]
+        sig, drain, self.checkpoint_agreed = (x > 0 for x in out[1:])
+        if sig and not self._sigterm_seen:
+            self._sigterm_seen = True
+            self.pending = self.pending or "SIGTERM"
+        if drain and not self._drain_seen:
+            self._drain_seen = True
+            info = self._local_info(wait_s=10.0)  # another rank may have been told a moment earlier
+            self.deadline_ms = info.deadline_ms if info is not None else None
+            left = f", {info.deadline_ms / 1000 - time.time():.0f}s before the deadline" if info and info.deadline_ms else ""
+            ranks = info.preempted_ranks if info is not None else "?"
+            self.pending = self.pending or f"node drain for preemption (ranks {ranks}{left})"
+        return out[0]
+
+    def take(self) -> Optional[str]:
+        """The reason of a notice agreed on and not yet acted on, once."""
+        reason, self.pending = self.pending, None
+        return reason
+
+    def _local_info(self, wait_s: float = 0.0):
+        """This worker's copy of Ray Train's preemption info (None: no drain), read without any remote call."""
+        if self._info_broken:
+            return None
+        deadline = time.monotonic() + wait_s
+        while True:
             try:
-                info = ray.train.get_preemption_info()
-            except Exception as e:  # noqa: BLE001 - same error on every rank (e.g. no Train context), so safe
-                say(f"warning: rank {self.rank}: preemption notices unavailable ({_first_line(e)}); SIGTERM still works")
-                self._drain_seen, info = True, None
-            if info is not None:
-                self._drain_seen = True
-                self.deadline_ms = info.deadline_ms
-                left = f", {info.deadline_ms / 1000 - time.time():.0f}s before the deadline" if info.deadline_ms else ""
-                return f"node drain for preemption (ranks {info.preempted_ranks}{left})"
-        return None
+                from ray.train.v2._internal.execution.context import get_train_context
+
+                info = get_train_context().preemption_context.preemption_info
+            except Exception as e:  # noqa: BLE001 - e.g. no Train context: SIGTERM still works
+                self._info_broken = True
+                if self.rank == 0:
+                    say(f"warning: preemption notices unavailable ({_first_line(e)}); SIGTERM still works")
+                return None
+            if info is not None or time.monotonic() >= deadline:
+                return info
+            time.sleep(0.1)
 
     def hold(self, grace_s: float = 30.0) -> None:
         """After a drain's checkpoint: wait for the node to go instead of training steps that would be lost.

@@ -238,7 +238,7 @@ def rollback(v: Violation, tel: Telemetry, engine, state, stream, run_uri: str, 
     restored = ckpt.restore(engine, resumed, tel.rank, tel.world)
     skip_extra = (h.skip_batches - 1) * global_batch
     if skip_extra:
-        stream.take(skip_extra)
+        stream.skip(skip_extra)
     # Counters other than the position keep counting (restarts, preemptions, ...): only the training
     # progress goes back to the checkpoint.
     new = dataclasses.replace(state, step=restored.step, tokens_seen=restored.tokens_seen,

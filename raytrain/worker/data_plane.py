@@ -1,0 +1,84 @@
+"""The training loop's data plane: this rank's rows of each global batch, by the sample plan, and its counters.
+
+The data position is still one integer, `samples_seen`; the plan is keyed by the global batch index
+samples_seen // global_batch, so a restore is just that number and a resize changes only which lanes
+a rank reads, never which samples a global batch holds.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from raytrain.data.manifest import Split
+from raytrain.data.plan import SamplePlan
+from raytrain.data.reader import PlannedReader
+
+
+class DataPlane:
+    def __init__(self, split: Split, seed: int, shuffle: bool, global_batch: int, dp_rank: int, dp_size: int,
+                 position: int, steps_left: int, stall_timeout_s: float = 600.0, on_bad_shard: str = "error",
+                 device="cpu"):
+        self.split, self.global_batch, self.dp_size = split, global_batch, dp_size
+        self.plan = SamplePlan.for_split(split, seed, global_batch, shuffle)
+        self.lanes = self.plan.lanes_of(dp_rank, dp_size)
+        self.position = position  # samples of the global stream consumed (a multiple of the global batch)
+        self.device = device
+        self.reader = PlannedReader(split, self.plan, self.lanes, position // global_batch,
+                                    stall_timeout_s=stall_timeout_s, on_bad_shard=on_bad_shard,
+                                    end_step=position // global_batch + steps_left)
+        self._step = None
+
+    @property
+    def epoch(self) -> int:
+        return self.position // self.global_batch // self.plan.steps_per_epoch
+
+    @property
+    def skipped(self) -> list[str]:
+        return self.reader.skipped
+
+    def take(self) -> np.ndarray:
+        """This rank's rows of the next global batch: [global_batch / data-parallel size, seq_len + 1]."""
+        rows, self._step = self.reader.take(self.position // self.global_batch)
+        self.position += self.global_batch
+        return rows
+
+    def skip(self, samples: int) -> None:
+        """Move the position forward without training on what lies between (a rollback's skipped window)."""
+        for _ in range(samples // self.global_batch):
+            self.take()
+
+    def run_until(self, steps_left: int) -> None:
+        """The run needs `steps_left` more batches from the current position (after a rollback: more)."""
+        self.reader.extend_to(self.position // self.global_batch + steps_left)
+
+    def fingerprint(self) -> int:
+        """Of the sample ids of the whole global batch just taken, from the plan alone: equal across world sizes."""
+        return self.plan.step(self._step.step).fingerprint()
+
+    def stats(self, world: int, elapsed_s: float) -> dict:
+        """Cluster-wide data counters since this attempt started (collective: every rank calls it at the same
+        step; two fixed-size all-reduces). Per worker: the mean over workers, and the worst one."""
+        c = self.reader.counters()
+        keys = ("rows_read", "bytes_fetched", "rows_trained", "units_opened", "data_wait_s")
+        total = torch.tensor([float(c[k]) for k in keys], dtype=torch.float64)
+        worst = torch.tensor([float(c[k]) for k in keys] + [c["skipped_shards"], self.reader.cached_units],
+                             dtype=torch.float64)
+        if world > 1:
+            total, worst = total.to(self.device), worst.to(self.device)
+            dist.all_reduce(total)
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # a shard two ranks skipped is still one shard
+            total, worst = total.cpu(), worst.cpu()
+        t, w = dict(zip(keys, total.tolist())), worst.tolist()
+        return {"data_rows_read_per_worker": t["rows_read"] / world, "data_rows_read_max": w[0],
+                "data_bytes_fetched_per_worker": t["bytes_fetched"] / world, "data_bytes_fetched_max": w[1],
+                "data_rows_trained_per_worker": t["rows_trained"] / world,
+                "data_units_opened_per_worker": t["units_opened"] / world,
+                "read_amplification": t["rows_read"] / t["rows_trained"] if t["rows_trained"] else None,
+                "data_wait_frac_mean": t["data_wait_s"] / world / elapsed_s if elapsed_s > 0 else None,
+                "data_wait_frac_max": w[4] / elapsed_s if elapsed_s > 0 else None,
+                "data_skipped_shards": int(w[5]), "data_cached_units_max": int(w[6])}
+
+    def close(self) -> None:
+        self.reader.close()
