@@ -36,7 +36,7 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     decay, no_decay = [], []
     for _, p in model.named_parameters():
         if p.requires_grad:
-            (decay if p.dim() >= 2 else no_decay).append(p)
+            (decay if len(getattr(p, "ds_shape", p.shape)) >= 2 else no_decay).append(p)  # ds_shape: ZeRO-3
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
@@ -102,14 +102,15 @@ def train_loop_per_worker(loop_config: dict) -> None:
 
     # Model and engine. DeepSpeed reuses the process group Ray Train already set up.
     vocab = cfg.model.vocab_size or train_split.vocab_size
-    model = build_model(cfg.model, vocab, cfg.run.seed, train_split.eot_id)
-    n_params, n_active = param_counts(model, cfg.model)  # active per token (MoE: top-k experts): the FLOPs behind MFU
-    boot["model"] = time.time()
     # Native bf16 only: torch also says yes for pre-Ampere GPUs that emulate it (slowly); those get fp16.
     dtype = resolve_dtype(cfg, cuda, cuda and torch.cuda.is_bf16_supported(including_emulation=False))
     ds_config = build_ds_config(cfg, world, dtype, cuda)
     if resharding:
         ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": True}
+    # Built for this config: ZeRO-3 partitioned as it is created, ZeRO-0/1/2 in the training dtype.
+    model = build_model(cfg.model, vocab, cfg.run.seed, train_split.eot_id, ds_config=ds_config)
+    n_params, n_active = param_counts(model, cfg.model)  # active per token (MoE: top-k experts): the FLOPs behind MFU
+    boot["model"] = time.time()
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         model_parameters=_param_groups(model, cfg.optim.weight_decay),
