@@ -6,6 +6,7 @@ Parts (see raytrain/bench/parts.py):
   checkpoint  save / restore MB/s to a local S3-protocol server (moto) vs raw boto3; async vs sync upload stall
   recovery    seconds from a worker SIGKILL to the first resumed step; steps lost
   gpu         MFU of GPT-2-124M and a ~1B Llama in bf16 vs plain PyTorch + DeepSpeed (skipped without CUDA)
+  memory      peak host RSS per worker of a ~322M ZeRO-3 model at 1, 2 and 4 workers vs 1 worker (not in the default set)
 
 Usage: .venv/bin/python scripts/bench.py [--quick] [--parts overhead,ingest,...] [--json out.json] [--markdown]
 --quick finishes in under 10 minutes on 2 CPU cores. Everything runs on 127.0.0.1.
@@ -27,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 PARTS = ("overhead", "ingest", "checkpoint", "recovery", "gpu")
+EXTRA_PARTS = ("memory",)  # run only when named in --parts: ~10 GB of RAM across its workers
 
 
 def versions() -> dict:
@@ -92,9 +94,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--keep", action="store_true", help="keep the scratch directory (runs, data) for inspection")
     args = ap.parse_args(argv)
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
-    bad = [p for p in parts if p not in PARTS]
+    bad = [p for p in parts if p not in PARTS + EXTRA_PARTS]
     if bad:
-        ap.error(f"unknown part(s) {bad}; choose from {','.join(PARTS)}")
+        ap.error(f"unknown part(s) {bad}; choose from {','.join(PARTS + EXTRA_PARTS)}")
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ["RAY_TRAIN_ENABLE_PRINT_PATCH"] = "0"
@@ -170,6 +172,10 @@ def main(argv: list[str] | None = None) -> dict:
         if "gpu" in parts:
             section("5. GPU MFU (bf16, SDPA) vs plain PyTorch + DeepSpeed",
                     lambda: P.gpu(tmp, args.quick))
+        if "memory" in parts:
+            from raytrain.bench.memory import memory
+
+            section("6. memory: peak host RSS per worker, ZeRO-3, 1 / 2 / 4 workers", memory)
     finally:
         if moto is not None:
             moto.terminate()

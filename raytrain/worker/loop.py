@@ -96,7 +96,9 @@ def train_loop_per_worker(loop_config: dict) -> None:
     # restart inside one job or the same run submitted again. (Ray's own registry can miss the newest
     # one when a worker dies right after uploading; our manifests cannot.) A checkpoint written by
     # another number of workers is loaded through DeepSpeed's universal format.
-    resumed = ckpt.find_resume_point(cfg.run_uri, rank, deep=cfg.checkpoint.verify_on_resume == "checksum")
+    resumed = ckpt.find_resume_point(cfg.run_uri, rank, deep=cfg.checkpoint.verify_on_resume == "checksum",
+                                     local_dir=cfg.checkpoint.local_dir,
+                                     tensor_parallel=cfg.deepspeed.tensor_parallel_size > 1)
     resharding = resumed is not None and ckpt.peek_state(resumed).world_size != world
     boot = {"resume_point": time.time()}  # start-up phases (when each ended): where a recovery's seconds go
 
