@@ -95,7 +95,8 @@ def test_resubmitted_run_resumes_from_s3(ray_cluster, s3_server, corpus_dir, tmp
                           near_dup_threshold=1.0,
                           val_fraction=0.1), log=lambda *_: None)
     runs = "s3://raytrain-test/runs"
-    cfg = tiny_cfg(data, runs, "resubmit", "run.max_steps=12", "checkpoint.every_n_steps=4",
+    # Sync upload: checkpoint 4 must be committed before the crash two steps later, however loaded the machine.
+    cfg = tiny_cfg(data, runs, "resubmit", "run.max_steps=12", "checkpoint.every_n_steps=4", "checkpoint.upload=sync",
                    f"checkpoint.local_dir={tmp_path / 'node'}")
     with pytest.raises(Exception):
         train(cfg, log=lambda *_: None, inject={"crash_at_step": 6, "marker": str(tmp_path / "crashed")})

@@ -74,28 +74,35 @@ def _free_port() -> int:
 
 def run_workers(n: int, overrides: dict, pythonpath: str, timeout_s: float = 1800) -> list[dict]:
     """n worker processes in one gloo group on 127.0.0.1; each one's RESULT record."""
+    import tempfile
+
     port = _free_port()
-    procs = []
+    procs, logs = [], []
     for r in range(n):
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(r),
                "WORLD_SIZE": str(n), "LOCAL_RANK": str(r), "MALLOC_MMAP_THRESHOLD_": "65536",
                "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath}
         # cwd: `python -c` puts the working directory first on sys.path, ahead of PYTHONPATH.
+        # Output to files, not pipes: a worker blocked on a full pipe would stall the others in a collective.
+        logs.append(tempfile.TemporaryFile(mode="w+"))
         procs.append(subprocess.Popen([sys.executable, "-c", WORKER, json.dumps(overrides)], env=env, cwd=pythonpath,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+                                      stdout=logs[-1], stderr=subprocess.STDOUT, text=True))
     out = []
     deadline = time.monotonic() + timeout_s
     try:
-        for p in procs:
-            stdout, stderr = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            line = [x for x in stdout.splitlines() if x.startswith("RESULT ")]
+        for p, log in zip(procs, logs):
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+            log.seek(0)
+            text = log.read()
+            line = [x for x in text.splitlines() if x.startswith("RESULT ")]
             if p.returncode != 0 or not line:
-                raise RuntimeError(f"memory worker exited {p.returncode}: {stderr.strip().splitlines()[-1:]}")
+                raise RuntimeError(f"memory worker exited {p.returncode}: {text.strip().splitlines()[-1:]}")
             out.append(json.loads(line[0].split(" ", 1)[1]))
     finally:
-        for p in procs:
+        for p, log in zip(procs, logs):
             if p.poll() is None:
                 p.kill()
+            log.close()
     return sorted(out, key=lambda r: r["rank"])
 
 
