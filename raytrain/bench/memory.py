@@ -139,6 +139,10 @@ def memory(log: Callable = print, workers: tuple[int, ...] = (1, 2, 4), pythonpa
             figs.append(figure("6 memory", f"peak host RSS per worker, {n} workers, ZeRO-3 {params / 1e6:.0f}M",
                                peaks[n] / 2**20, "MiB", "1 worker", one / 2**20, target=f"<= {target}x 1 worker",
                                met=peaks[n] <= target * one, workers=detail[n]))
+    builds = {n: max(r["build"] for r in detail[n]) for n in workers}
+    for n in workers[1:]:
+        figs.append(figure("6 memory", f"RSS growth while the model is built, per worker, {n} workers", builds[n] / 2**20,
+                           "MiB", "1 worker", builds[workers[0]] / 2**20, zero_init=detail[n][0]["zero_init"]))
     figs.append(figure("6 memory", "fixed per worker (fit: peak = fixed + states / N)", a / 2**20, "MiB",
                        "states divided among N", b / 2**20, bytes_per_param=b / params, params=params,
                        peaks_mib={n: p / 2**20 for n, p in peaks.items()}))
