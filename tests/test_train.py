@@ -156,7 +156,7 @@ def test_resize_2_to_1_to_2_keeps_data_position_and_global_batch(ray_cluster, ti
         ("checkpoint_00000004", 2, 1), ("checkpoint_00000008", 1, 2)]
     restores = [json.loads(x)["checkpoint"] for x in (tmp_path / "resize" / "restores.jsonl").read_text().splitlines()]
     assert restores == ["checkpoint_00000004", "checkpoint_00000004", "checkpoint_00000008"]
-    assert (tmp_path / "resize" / "checkpoint_00000004" / "universal" / "manifest.json").exists()
+    assert (tmp_path / "resize" / "checkpoint_00000008" / "universal" / "manifest.json").exists()  # (4: pruned, keep_last 2)
 
 
 def test_sigterm_checkpoints_at_once_and_resumes_identically(ray_cluster, tiny_data, tmp_path, baseline):
