@@ -251,11 +251,12 @@ def _local_root(local_dir: Optional[str]) -> str:
 
 
 def _node_id() -> str:
+    """This worker's node, as Ray Train numbers them (its runtime context's node id can read as nil there)."""
     try:
-        import ray
+        import ray.train
 
-        return ray.get_runtime_context().get_node_id()[:12]
-    except Exception:  # noqa: BLE001 - outside Ray: one process, one node
+        return f"node{ray.train.get_context().get_node_rank()}"
+    except Exception:  # noqa: BLE001 - outside Ray Train: one process, one node
         import socket
 
         return socket.gethostname()
