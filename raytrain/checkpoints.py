@@ -149,6 +149,25 @@ def latest_complete(run_uri: str, log=None, deep: bool = False) -> Optional[Chec
     return None
 
 
+def complete_candidates(run_uri: str, log=None, limit: int = 8) -> list[tuple[str, dict]]:
+    """Up to `limit` checkpoints to resume from, newest first, each (URI, manifest): committed, every file present
+    with its size, capped by a rollback marker. Checksums are the reading ranks' job (raytrain.worker.checkpoint)."""
+    marker = read_rollback(run_uri)
+    uris = list_checkpoints(run_uri)
+    if marker is not None:
+        uris = [u for u in uris if _step_of(u) <= marker["step"]]
+    out = []
+    for uri in reversed(uris):
+        info = verify(uri)
+        if info.complete:
+            out.append((uri, json.loads(storage.read_text(storage.join(uri, MANIFEST)))))
+            if len(out) == limit:
+                break
+        elif log:
+            log(f"warning: skipping incomplete checkpoint {uri}: {info.reason}")
+    return out
+
+
 # --- versions: tags and rollback ---------------------------------------------------------------------
 
 TAGS_DIR = "tags"

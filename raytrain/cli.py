@@ -106,7 +106,7 @@ def _cmd_plan(args) -> int:
                          tokens=parse_tokens(args.tokens) if args.tokens else None, micro_batch=args.micro_batch,
                          mfu=args.mfu, gpus_per_node=args.gpus_per_node, global_batch_tokens=args.global_batch_tokens,
                          vocab=args.vocab, price_on_demand=args.price_on_demand, price_spot=args.price_spot,
-                         host_memory_gib=args.host_memory_gib)
+                         host_memory_gib=args.host_memory_gib, node_gbps=args.node_gbps)
     print(json.dumps(plan.to_dict(), indent=1) if args.json else format_plan(plan))
     return 0
 
@@ -399,6 +399,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--price-spot", type=float, default=None, help="USD per GPU-hour, overrides the table")
     pl.add_argument("--host-memory-gib", type=float, default=1024.0, help="host RAM per node (offload and model "
                     "construction live there)")
+    pl.add_argument("--node-gbps", type=float, default=10.0, help="a node's bandwidth from checkpoint storage in "
+                    "Gbit/s, for the restore time (default 10)")
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(fn=_cmd_plan)
     tu = sub.add_parser("tune", help="Ray Tune sweep of training runs (micro-batch throughput, lr/warmup with ASHA)")

@@ -38,24 +38,60 @@ def hf_config(cfg: ModelConfig, vocab_size: int, eot_id: Optional[int] = None):
     return LlamaConfig(**common)
 
 
-def build_model(cfg: ModelConfig, vocab_size: int, seed: int, eot_id: Optional[int] = None) -> torch.nn.Module:
-    """Same seed -> same initial weights on every rank and every restart."""
+def build_model(cfg: ModelConfig, vocab_size: int, seed: int, eot_id: Optional[int] = None,
+                ds_config: Optional[dict] = None) -> torch.nn.Module:
+    """Same seed -> same initial weights on every rank and every restart.
+
+    With the run's DeepSpeed config (`ds_config`) no rank holds more than it trains with: under ZeRO-3 the model
+    is built inside `deepspeed.zero.Init` (transformers' DeepSpeed integration), each layer partitioned across
+    the ranks as it is created and `init_from` weights loaded straight into the partitions; under ZeRO-0/1/2 it
+    is built in the training dtype, so DeepSpeed's cast makes no second copy. Without it (or without a process
+    group): fp32, whole.
+    """
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
+    dtype, keep = training_dtype(ds_config), None
+    # AutoTP slices whole weights inside deepspeed.initialize, so a tensor-parallel run is built whole.
+    if (ds_config is not None and int(ds_config.get("zero_optimization", {}).get("stage", 0)) == 3
+            and "tensor_parallel" not in ds_config and torch.distributed.is_initialized()):
+        import deepspeed
+        from deepspeed.accelerator import get_accelerator
+        from transformers.integrations import HfDeepSpeedConfig
+
+        # zero.Init partitions over DeepSpeed's view of the process group: wrap the one Ray Train set up (as
+        # deepspeed.initialize would, later).
+        deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), dist_init_required=False)
+
+        # transformers looks this object up through a weak reference: while it lives, from_config and
+        # from_pretrained build under zero.Init with this very config, so partitions go straight to the ranks.
+        keep = HfDeepSpeedConfig(ds_config)
     if cfg.init_from:  # fine-tuning: the weights (and shape) of a Hugging Face model directory
         drop = ({"resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout}
                 if cfg.family == "gpt2" else {"attention_dropout": cfg.dropout})
-        model = AutoModelForCausalLM.from_pretrained(local_model_dir(cfg.init_from), dtype=torch.float32,
+        model = AutoModelForCausalLM.from_pretrained(local_model_dir(cfg.init_from), dtype=dtype,
                                                      attn_implementation=cfg.attn_implementation, **drop)
         model.config.use_cache = False
     else:
-        model = AutoModelForCausalLM.from_config(hf_config(cfg, vocab_size, eot_id), attn_implementation=cfg.attn_implementation)
+        model = AutoModelForCausalLM.from_config(hf_config(cfg, vocab_size, eot_id), dtype=dtype,
+                                                 attn_implementation=cfg.attn_implementation)
+    if keep is not None:
+        model.raytrain_hf_ds_config = keep  # transformers' later ZeRO-3 paths (e.g. generate) need it alive too
     if cfg.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if cfg.family == "mixtral":
         model.register_forward_hook(_keep_aux_loss)
     return model
+
+
+def training_dtype(ds_config: Optional[dict]) -> torch.dtype:
+    """The dtype DeepSpeed trains the weights in under this config (fp32 without one)."""
+    ds_config = ds_config or {}
+    if ds_config.get("bf16", {}).get("enabled"):
+        return torch.bfloat16
+    if ds_config.get("fp16", {}).get("enabled"):
+        return torch.float16
+    return torch.float32
 
 
 def compile_engine(engine, cfg: ModelConfig) -> None:
@@ -154,8 +190,13 @@ def param_count(model: torch.nn.Module) -> int:
     for p in model.parameters():
         if id(p) not in seen:
             seen.add(id(p))
-            n += p.numel()
+            n += numel(p)
     return n
+
+
+def numel(p: torch.Tensor) -> int:
+    """Elements of a parameter, also of a ZeRO-3 partitioned one (whose local tensor is empty)."""
+    return getattr(p, "ds_numel", None) or p.numel()
 
 
 def param_counts(model: torch.nn.Module, cfg: ModelConfig) -> tuple[int, int]:
@@ -164,7 +205,7 @@ def param_counts(model: torch.nn.Module, cfg: ModelConfig) -> tuple[int, int]:
     total = param_count(model)
     if cfg.family != "mixtral":
         return total, total
-    expert = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name or name.endswith(".experts"))
+    expert = sum(numel(p) for name, p in model.named_parameters() if ".experts." in name or name.endswith(".experts"))
     return total, total - expert + expert * cfg.moe_top_k // cfg.moe_experts
 
 

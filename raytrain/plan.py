@@ -3,6 +3,8 @@
 Model-state memory comes from DeepSpeed's own estimators (`estimate_zero2_model_states_mem_needs`,
 `estimate_zero3_model_states_mem_needs`); activations from the formula in docs/PLANNING.md; the parameter
 count from the real `transformers` model built on the meta device (no memory, exact for every family).
+Host memory follows how raytrain builds the model (raytrain.model.build_model): ZeRO-3 under
+`deepspeed.zero.Init`, ZeRO-0/1/2 in the training dtype; restore reads follow the checkpoint's files.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class Gpu:
 # daily, so every figure can be overridden with --price-on-demand / --price-spot.
 GPUS: dict[str, Gpu] = {
     "v100-32gb": Gpu(32, 125, 3.06, 0.95),
+    "t4": Gpu(16, 65, 0.53, 0.20),
     "a10g": Gpu(24, 70, 1.01, 0.45),
     "l4": Gpu(24, 121, 0.80, 0.35),
     "l40s": Gpu(48, 362, 1.86, 0.80),
@@ -50,6 +53,8 @@ SIZES: dict[str, dict] = {
     "1b": dict(family="llama", tie_embeddings=False, n_layer=16, hidden_size=2048, n_head=32, n_kv_head=8, intermediate_size=8192, seq_len=2048),
     "3b": dict(family="llama", tie_embeddings=False, n_layer=26, hidden_size=3200, n_head=32, intermediate_size=8640, seq_len=2048),
     "7b": dict(family="llama", tie_embeddings=False, n_layer=32, hidden_size=4096, n_head=32, intermediate_size=11008, seq_len=2048),
+    "8b": dict(family="llama", tie_embeddings=False, n_layer=32, hidden_size=4096, n_head=32, n_kv_head=8, intermediate_size=14336,
+               vocab_size=128256, seq_len=8192),
     "10b": dict(family="llama", tie_embeddings=False, n_layer=48, hidden_size=4096, n_head=32, intermediate_size=11008, seq_len=2048),
     "13b": dict(family="llama", tie_embeddings=False, n_layer=40, hidden_size=5120, n_head=40, intermediate_size=13824, seq_len=2048),
     "33b": dict(family="llama", tie_embeddings=False, n_layer=60, hidden_size=6656, n_head=52, intermediate_size=17920, seq_len=2048),
@@ -75,6 +80,21 @@ CHECKPOINTING_FACTOR = 0.75  # recomputing the forward: ~4/3 of the FLOPs for th
 # CUDA context (~0.5 GiB), NCCL buffers and DeepSpeed's reduce / all-gather / prefetch buckets (5e8 elements
 # by default, 16-bit): not part of DeepSpeed's model-state estimators, paid on every device.
 RUNTIME_OVERHEAD_GIB = 3.0
+# Host memory of one rank's process apart from model states: Python, torch, the CUDA host libraries and context.
+HOST_RUNTIME_GIB_PER_RANK = 3.0
+# DeepSpeed's estimators' margin on host memory (their additional_buffer_factor).
+HOST_BUFFER_FACTOR = 1.5
+# Bytes per parameter in a checkpoint (mixed precision, Adam): the 16-bit weights (2) and the fp32 master
+# weights, momentum and variance (12).
+CKPT_WEIGHT_BYTES, CKPT_OPTIM_BYTES = 2, 12
+# GPU instance types the cluster configs in cluster/ launch: (GPU type, GPUs, host memory GiB), from the
+# providers' instance tables.
+INSTANCES: dict[str, tuple[str, int, float]] = {
+    "g5.xlarge": ("a10g", 1, 16), "g6.xlarge": ("l4", 1, 16), "g4dn.xlarge": ("t4", 1, 16),
+    "g2-standard-8": ("l4", 1, 32), "a2-highgpu-1g": ("a100-40gb", 1, 85),
+    "p4d.24xlarge": ("a100-40gb", 8, 1152), "p4de.24xlarge": ("a100-80gb", 8, 1152),
+    "p5.48xlarge": ("h100", 8, 2048), "a3-highgpu-8g": ("h100", 8, 1872), "a2-ultragpu-8g": ("a100-80gb", 8, 1360),
+}
 # Tokens per micro-batch below which accelerators run their matmuls inefficiently: plans reaching it are preferred.
 EFFICIENT_MICRO_BATCH_TOKENS = 4096
 
@@ -142,10 +162,15 @@ def shape_of(cfg: ModelConfig, vocab: Optional[int] = None) -> Shape:
 
 def model_states_bytes(shape: Shape, stage: int, offload_opt: bool, offload_param: bool, gpus: int,
                        gpus_per_node: int) -> tuple[int, int]:
-    """(per device, per node host) bytes of params, gradients and optimizer states, from DeepSpeed's estimators.
+    """(per device, per node host) bytes of params, gradients and optimizer states.
 
-    DeepSpeed ships estimators for stages 2 and 3; stage 0 is stage 2 on one device (nothing sharded) and
-    stage 1 is stage 2 plus the unsharded 16-bit gradients (2 bytes/param on every device).
+    Device: DeepSpeed's estimators. They cover stages 2 and 3; stage 0 is stage 2 on one device (nothing
+    sharded) and stage 1 is stage 2 plus the unsharded 16-bit gradients (2 bytes/param on every device).
+    Host, per node (HOST_BUFFER_FACTOR margin, as DeepSpeed's):
+      ZeRO-3: DeepSpeed's zero_init=True figure - raytrain builds under deepspeed.zero.Init, so a rank holds one
+        layer at a time in full and keeps 1/N of the states (offloaded ones on the host: states / nodes).
+      ZeRO-0/1/2: each rank builds the whole model once, in the 16-bit training dtype, plus (optimizer offload)
+        its 1/N of the fp32 optimizer states and gradients (16 bytes/param).
     """
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
@@ -153,18 +178,44 @@ def model_states_bytes(shape: Shape, stage: int, offload_opt: bool, offload_para
     p = shape.params
     per_node, nodes = min(gpus, gpus_per_node), math.ceil(gpus / gpus_per_node)
     if stage == 3:
-        # zero_init=False: raytrain builds the full model on each rank before DeepSpeed partitions it.
         cpu, dev, _ = estimate_zero3_model_states_mem_needs(
             p, shape.largest_layer_params, num_gpus_per_node=per_node, num_nodes=nodes, cpu_offload=offload_opt,
-            cpu_offload_params=offload_param, zero_init=False)
+            cpu_offload_params=offload_param, zero_init=True, additional_buffer_factor=HOST_BUFFER_FACTOR)
         return dev, cpu
-    cpu, dev = estimate_zero2_model_states_mem_needs(p, num_gpus_per_node=per_node, num_nodes=nodes,
-                                                     cpu_offload=offload_opt)
+    _, dev = estimate_zero2_model_states_mem_needs(p, num_gpus_per_node=per_node, num_nodes=nodes,
+                                                   cpu_offload=offload_opt)
+    cpu = int(HOST_BUFFER_FACTOR * (per_node * 2 * p + (16 * p / nodes if offload_opt else 0)))
     if stage == 0:  # nothing sharded: one device's worth of everything, on every device
         dev = estimate_zero2_model_states_mem_needs(p, 1, 1, cpu_offload=False)[1]
     if stage == 1:
         dev += int(2 * p * (1 - 1 / (per_node * nodes)))
     return dev, cpu
+
+
+def host_bytes_per_node(shape: Shape, stage: int, offload_opt: bool, offload_param: bool, gpus: int,
+                        gpus_per_node: int) -> int:
+    """Host RAM one node needs: its ranks' model states on the host and each rank's process."""
+    ranks = min(gpus, gpus_per_node)
+    return model_states_bytes(shape, stage, offload_opt, offload_param, gpus, gpus_per_node)[1] + int(
+        ranks * HOST_RUNTIME_GIB_PER_RANK * GIB)
+
+
+def checkpoint_bytes(shape: Shape) -> int:
+    return (CKPT_WEIGHT_BYTES + CKPT_OPTIM_BYTES) * shape.params
+
+
+def restore_bytes_per_node(shape: Shape, stage: int, gpus: int, gpus_per_node: int) -> int:
+    """Bytes one node downloads on restore: only the files its ranks read (raytrain.worker.checkpoint).
+
+    ZeRO-3: each rank's weight and optimizer partition (1/N each). ZeRO-1/2: the one shared 16-bit weights file
+    and the node's ranks' optimizer partitions. ZeRO-0: everything (no partitions).
+    """
+    p, share = shape.params, min(gpus, gpus_per_node) / gpus
+    if stage == 3:
+        return int(checkpoint_bytes(shape) * share)
+    if stage in (1, 2):
+        return int(CKPT_WEIGHT_BYTES * p + CKPT_OPTIM_BYTES * p * share)
+    return checkpoint_bytes(shape)
 
 
 def activation_bytes(shape: Shape, micro_batch: int, checkpointing: bool, dtype_bytes: int = 2) -> int:
@@ -207,6 +258,8 @@ class Option:
     fits: bool
     host_fits: bool  # host RAM per node holds the offloaded states and the model as built
     throughput_factor: float
+    restore_gib_per_node: float = 0.0  # what one node downloads to resume
+    restore_s: float = 0.0  # at the plan's per-node bandwidth
 
 
 @dataclass
@@ -224,6 +277,8 @@ class Plan:
     options: list[Option] = field(default_factory=list)
     recommended: Optional[dict] = None
     fewest_gpus: dict = field(default_factory=dict)  # strategy -> fewest GPUs it fits on (micro-batch 1)
+    checkpoint_gib: float = 0.0
+    instances: list[dict] = field(default_factory=list)  # the instance types in cluster/*.yaml: do they fit?
     assumptions: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -233,9 +288,10 @@ class Plan:
 def _fit(shape: Shape, gpu: Gpu, gpus: int, gpn: int, strat: tuple, ckpt: bool, usable: float, mb_cap: int,
          mb_fixed: Optional[int], host_limit: float) -> Option:
     name, stage, off_o, off_p, factor = strat
-    dev, host = model_states_bytes(shape, stage, off_o, off_p, gpus, gpn)
+    dev, _ = model_states_bytes(shape, stage, off_o, off_p, gpus, gpn)
+    host = host_bytes_per_node(shape, stage, off_o, off_p, gpus, gpn)
     per_sample = activation_bytes(shape, 1, ckpt)
-    # Host memory too: offloaded states live there, and every rank first builds the full fp32 model on the host.
+    # Host memory too: offloaded states live there, and ZeRO-0/1/2 ranks build the whole model on the host.
     free = usable - dev - RUNTIME_OVERHEAD_GIB * GIB if host <= host_limit else -1
     best = 0
     for mb in ([mb_fixed] if mb_fixed else [2**j for j in range(int(math.log2(mb_cap)) + 1)]):
@@ -245,7 +301,8 @@ def _fit(shape: Shape, gpu: Gpu, gpus: int, gpn: int, strat: tuple, ckpt: bool, 
     total = dev + RUNTIME_OVERHEAD_GIB * GIB + activation_bytes(shape, mb_used, ckpt)
     return Option(name + ("+ckpt" if ckpt else ""), stage, off_o, off_p, ckpt, dev / GIB, host / GIB,
                   per_sample / GIB, total / GIB, best, best > 0, host <= host_limit,
-                  factor * (CHECKPOINTING_FACTOR if ckpt else 1.0))
+                  factor * (CHECKPOINTING_FACTOR if ckpt else 1.0),
+                  restore_bytes_per_node(shape, stage, gpus, gpn) / GIB)
 
 
 def _best(options: list[Option], seq_len: int) -> Optional[Option]:
@@ -270,13 +327,16 @@ def make_plan(model: str, gpu: str, gpus: int, seq_len: Optional[int] = None, to
               micro_batch: Optional[int] = None, mfu: float = 0.4, gpus_per_node: int = 8,
               global_batch_tokens: int = 2**20, headroom: float = 0.9, vocab: Optional[int] = None,
               price_on_demand: Optional[float] = None, price_spot: Optional[float] = None,
-              max_micro_batch: int = 64, host_memory_gib: float = 1024.0) -> Plan:
+              max_micro_batch: int = 64, host_memory_gib: float = 1024.0, node_gbps: float = 10.0,
+              cluster_dir: Optional[str] = None) -> Plan:
     key = gpu.lower()
     if key not in GPUS:
         raise UserError(f"--gpu {gpu!r} is not in the table ({', '.join(GPUS)}); pick the closest one and "
                         f"override prices with --price-on-demand / --price-spot")
     if gpus < 1 or gpus_per_node < 1:
         raise UserError("--gpus and --gpus-per-node must be >= 1")
+    if node_gbps <= 0:
+        raise UserError(f"--node-gbps {node_gbps}: a node's network bandwidth to storage in Gbit/s, e.g. 10")
     if not 0 < mfu <= 1:
         raise UserError(f"--mfu {mfu}: model FLOPs utilisation is a fraction in (0, 1], e.g. 0.4")
     g = GPUS[key]
@@ -288,7 +348,11 @@ def make_plan(model: str, gpu: str, gpus: int, seq_len: Optional[int] = None, to
             for ckpt in (False, True) for strat in STRATEGIES]
     plan = Plan(model=model, family=shape.family, params=shape.params, active_params=shape.active_params,
                 seq_len=shape.seq_len, gpu=key, gpu_memory_gib=g.memory_gib, gpus=gpus,
-                gpus_per_node=gpus_per_node, usable_gib=usable / GIB, options=opts)
+                gpus_per_node=gpus_per_node, usable_gib=usable / GIB, options=opts,
+                checkpoint_gib=checkpoint_bytes(shape) / GIB)
+    for o in opts:
+        o.restore_s = o.restore_gib_per_node * GIB * 8 / (node_gbps * 1e9)
+    plan.instances = instance_fits(shape, gpus, headroom, max_micro_batch, micro_batch, cluster_dir)
     for strat in STRATEGIES:
         for ckpt in (False, True):
             n = 1
@@ -302,7 +366,8 @@ def make_plan(model: str, gpu: str, gpus: int, seq_len: Optional[int] = None, to
     sp = g.spot if price_spot is None else price_spot
     plan.assumptions = {
         "mfu": mfu, "peak_tflops_per_gpu": g.peak_tflops, "memory_headroom": headroom,
-        "runtime_overhead_gib": RUNTIME_OVERHEAD_GIB, "host_memory_gib_per_node": host_memory_gib, "dtype": "bf16/fp16 mixed precision (Adam)",
+        "runtime_overhead_gib": RUNTIME_OVERHEAD_GIB, "host_memory_gib_per_node": host_memory_gib,
+        "host_runtime_gib_per_rank": HOST_RUNTIME_GIB_PER_RANK, "node_gbps": node_gbps, "dtype": "bf16/fp16 mixed precision (Adam)",
         "flops_per_token": flops_per_token, "price_on_demand_per_gpu_h": od, "price_spot_per_gpu_h": sp,
         "global_batch_tokens_target": global_batch_tokens, "vocab": shape.vocab,
     }
@@ -325,6 +390,48 @@ def make_plan(model: str, gpu: str, gpus: int, seq_len: Optional[int] = None, to
                         "cost_on_demand_usd": hours * gpus * od, "cost_spot_usd": hours * gpus * sp})
         plan.recommended = rec
     return plan
+
+
+def cluster_instance_types(cluster_dir: Optional[str] = None) -> dict[str, str]:
+    """{instance type: config file} of the GPU node types the cluster configs launch."""
+    import glob
+    import os
+
+    import yaml
+
+    d = cluster_dir or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "cluster")
+    out: dict[str, str] = {}
+    for path in sorted(glob.glob(os.path.join(d, "*.yaml"))):
+        with open(path) as f:
+            doc = yaml.safe_load(f) or {}
+        for node in (doc.get("available_node_types") or {}).values():
+            nc = node.get("node_config") or {}
+            name = nc.get("InstanceType") or nc.get("machineType")
+            if name in INSTANCES:  # CPU-only head types are not in the GPU table
+                out.setdefault(name, os.path.basename(path))
+    return out
+
+
+def instance_fits(shape: Shape, gpus: int, headroom: float, mb_cap: int, mb_fixed: Optional[int],
+                  cluster_dir: Optional[str] = None) -> list[dict]:
+    """For each GPU instance type in cluster/: its GPU and host memory, and the first strategy (cheapest
+    first) that fits both with `gpus` GPUs in all."""
+    rows = []
+    for name, source in cluster_instance_types(cluster_dir).items():
+        gkey, gpn, host_gib = INSTANCES[name]
+        g = GPUS[gkey]
+        fit = None
+        for ckpt in (False, True):
+            for strat in STRATEGIES:
+                o = _fit(shape, g, gpus, gpn, strat, ckpt, g.memory_gib * headroom * GIB, mb_cap, mb_fixed,
+                         host_gib * GIB)
+                if o.fits and fit is None:
+                    fit = o
+        need = min(host_bytes_per_node(shape, s[1], s[2], s[3], gpus, gpn) for s in STRATEGIES) / GIB
+        rows.append({"instance": name, "config": source, "gpu": gkey, "gpus_per_node": gpn, "host_gib": host_gib,
+                     "fits": fit is not None, "strategy": fit.strategy if fit else None,
+                     "host_gib_per_node_needed": fit.host_gib_per_node if fit else need})
+    return rows
 
 
 def _overrides(o: Option, mb: int, acc: int, gpus: int, gpn: int) -> list[str]:
@@ -352,11 +459,18 @@ def format_plan(p: Plan) -> str:
              f"hardware: {p.gpus} x {p.gpu} ({p.gpu_memory_gib:g} GiB, {p.usable_gib:.1f} GiB usable at "
              f"{p.assumptions['memory_headroom']:.0%}), {p.gpus_per_node} GPUs per node", "",
              f"{'strategy':28} {'states GiB':>10} {'act GiB/seq':>11} {'host GiB/node':>13} {'max mb':>6} "
-             f"{'fewest GPUs':>11}"]
+             f"{'fewest GPUs':>11} {'restore GiB/node':>16} {'restore s':>9}"]
     for o in p.options:
         fewest = p.fewest_gpus.get(o.strategy)
         lines.append(f"{o.strategy:28} {o.model_states_gib:>10.1f} {o.activations_gib_per_sample:>11.2f} "
-                     f"{o.host_gib_per_node:>13.1f} {(o.max_micro_batch or '-'):>6} {(fewest or '-'):>11}")
+                     f"{o.host_gib_per_node:>13.1f} {(o.max_micro_batch or '-'):>6} {(fewest or '-'):>11} "
+                     f"{o.restore_gib_per_node:>16.1f} {o.restore_s:>9.0f}")
+    lines.append(f"checkpoint: {p.checkpoint_gib:,.1f} GiB; restore: each node downloads only its ranks' files, "
+                 f"at {p.assumptions['node_gbps']:g} Gbit/s per node (--node-gbps)")
+    if p.instances:
+        lines.append("instance types in cluster/: " + "; ".join(
+            f"{r['instance']} ({r['gpus_per_node']} x {r['gpu']}, {r['host_gib']:g} GiB): "
+            + (f"fits with {r['strategy']}" if r["fits"] else "does not fit") for r in p.instances))
     lines.append("")
     r = p.recommended
     if r is None:
@@ -364,8 +478,7 @@ def format_plan(p: Plan) -> str:
         lines.append(f"nothing fits on {p.gpus} x {p.gpu}" + (f"; the fewest GPUs that fit: {min(fits)}" if fits else ""))
         if not any(o.host_fits for o in p.options):
             need = min(o.host_gib_per_node for o in p.options)
-            lines.append(f"host memory: every rank builds the full fp32 model on its node before DeepSpeed shards it, "
-                         f"{need:,.0f} GiB per node at least, {p.assumptions['host_memory_gib_per_node']:,.0f} GiB "
+            lines.append(f"host memory: {need:,.0f} GiB per node at least, {p.assumptions['host_memory_gib_per_node']:,.0f} GiB "
                          f"assumed (--host-memory-gib); use fewer GPUs per node (--gpus-per-node) or bigger hosts")
         return "\n".join(lines)
     lines += [f"recommended: {r['strategy']}, micro_batch {r['micro_batch_size']} x accumulation "

@@ -8,6 +8,7 @@ Parts (see raytrain/bench/parts.py):
   gpu         MFU of GPT-2-124M and a ~1B Llama in bf16 vs plain PyTorch + DeepSpeed (skipped without CUDA)
   dataplane   the sample plan alone at N = 8..1024 on a synthetic 1 TB manifest: read amplification, per-worker cost
   dataplane_runs  real CPU runs under the plan at 1, 2, 4 workers: read amplification, bytes, data wait (counters)
+  memory      peak host RSS per worker of a ~322M ZeRO-3 model at 1, 2 and 4 workers vs 1 worker (not in the default set)
 
 Usage: .venv/bin/python scripts/bench.py [--quick] [--parts overhead,ingest,...] [--json out.json] [--markdown]
 --quick finishes in under 10 minutes on 2 CPU cores. Everything runs on 127.0.0.1.
@@ -29,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 PARTS = ("overhead", "ingest", "checkpoint", "recovery", "gpu", "dataplane", "dataplane_runs")
+EXTRA_PARTS = ("memory",)  # run only when named in --parts: ~10 GB of RAM across its workers
 
 
 def versions() -> dict:
@@ -94,9 +96,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--keep", action="store_true", help="keep the scratch directory (runs, data) for inspection")
     args = ap.parse_args(argv)
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
-    bad = [p for p in parts if p not in PARTS]
+    bad = [p for p in parts if p not in PARTS + EXTRA_PARTS]
     if bad:
-        ap.error(f"unknown part(s) {bad}; choose from {','.join(PARTS)}")
+        ap.error(f"unknown part(s) {bad}; choose from {','.join(PARTS + EXTRA_PARTS)}")
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ["RAY_TRAIN_ENABLE_PRINT_PATCH"] = "0"
@@ -186,6 +188,10 @@ def main(argv: list[str] | None = None) -> dict:
 
             section("7. dataplane_runs: training under the plan, 1/2/4 workers, counters from summary.json",
                     lambda: dataplane_runs(tmp))
+        if "memory" in parts:
+            from raytrain.bench.memory import memory
+
+            section("8. memory: peak host RSS per worker, ZeRO-3, 1 / 2 / 4 workers", memory)
     finally:
         if moto is not None:
             moto.terminate()

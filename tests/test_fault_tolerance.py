@@ -113,3 +113,31 @@ def test_stale_markers_of_an_earlier_attempt_never_commit(tmp_path):
     w.save(_Engine(10), TrainState(step=4, world_size=2), "x: 1\n")
     assert w.committed is None and w.failed == ["checkpoint_00000004"]
     assert checkpoints.latest_complete(run) is None
+
+
+def test_each_rank_reads_its_partitions_and_killed_staging_is_removed(tmp_path):
+    """Restore reads: a rank's own partitions and the shared files, everything for a resize. Staging left by
+    a killed process (its pid is gone) is removed at the next start; a live process's is kept."""
+    import subprocess
+    import sys
+
+    from raytrain.worker.checkpoint import files_for_rank, remove_stale
+
+    files = {f: {} for f in ["engine/mp_rank_00_model_states.pt", "engine/zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                             "engine/zero_pp_rank_1_mp_rank_00_optim_states.pt",
+                             "engine/zero_pp_rank_1_mp_rank_00_model_states.pt", "engine/zero_pp_rank_11_mp_rank_00_"
+                             "optim_states.pt", "rng/rank_00001.pt", "rng/rank_00011.pt", "raytrain_state.json",
+                             "config.yaml", "universal/engine_universal/zero/rank_1.pt"]}
+    assert files_for_rank(files, 1, 12, 12) == sorted([
+        "engine/mp_rank_00_model_states.pt", "engine/zero_pp_rank_1_mp_rank_00_optim_states.pt",
+        "engine/zero_pp_rank_1_mp_rank_00_model_states.pt", "rng/rank_00001.pt", "raytrain_state.json", "config.yaml",
+        "universal/engine_universal/zero/rank_1.pt"])
+    assert files_for_rank(files, 1, 4, 12) == sorted(files)  # resized: the converter reads every partition
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)
+    for d in (tmp_path / "restore" / "n1-abc" / ".users" / str(dead_pid), tmp_path / "staging" / f"{dead_pid}-rank0",
+              tmp_path / "restore" / "n1-def" / ".users" / str(os.getpid()), tmp_path / "staging" / f"{os.getpid()}-rank1"):
+        d.mkdir(parents=True)
+    remove_stale(str(tmp_path))
+    assert sorted(p.name for p in (tmp_path / "restore").iterdir()) == ["n1-def"]
+    assert sorted(p.name for p in (tmp_path / "staging").iterdir()) == [f"{os.getpid()}-rank1"]

@@ -36,14 +36,17 @@ def test_model_states_are_deepspeeds_estimates(gpus, per_node):
 
     shape = shape_of(model_config_for("1b"))
     nodes = gpus // per_node
-    cpu, dev = estimate_zero2_model_states_mem_needs(shape.params, per_node, nodes, cpu_offload=False)
-    assert model_states_bytes(shape, 2, False, False, gpus, per_node) == (dev, cpu)
-    cpu, dev = estimate_zero2_model_states_mem_needs(shape.params, per_node, nodes, cpu_offload=True)
-    assert model_states_bytes(shape, 2, True, False, gpus, per_node) == (dev, cpu)
+    p = shape.params
+    _, dev = estimate_zero2_model_states_mem_needs(p, per_node, nodes, cpu_offload=False)
+    # ZeRO-2's host: each rank builds the model once in the 16-bit training dtype (not DeepSpeed's fp32 figure).
+    assert model_states_bytes(shape, 2, False, False, gpus, per_node) == (dev, int(1.5 * per_node * 2 * p))
+    _, dev = estimate_zero2_model_states_mem_needs(p, per_node, nodes, cpu_offload=True)
+    assert model_states_bytes(shape, 2, True, False, gpus, per_node) == (dev, int(1.5 * (per_node * 2 * p + 16 * p / nodes)))
     for off_o, off_p in [(False, False), (True, False), (True, True)]:
-        cpu, dev, _ = estimate_zero3_model_states_mem_needs(shape.params, shape.largest_layer_params, per_node, nodes,
+        # ZeRO-3 is built under deepspeed.zero.Init: DeepSpeed's zero_init=True figures.
+        cpu, dev, _ = estimate_zero3_model_states_mem_needs(p, shape.largest_layer_params, per_node, nodes,
                                                             cpu_offload=off_o, cpu_offload_params=off_p,
-                                                            zero_init=False)
+                                                            zero_init=True)
         assert model_states_bytes(shape, 3, off_o, off_p, gpus, per_node) == (dev, cpu)
     # The textbook numbers: 16-bit params + 18 bytes/param of grads and Adam states, sharded by ZeRO-3.
     assert model_states_bytes(shape, 3, False, False, gpus, per_node)[0] == pytest.approx(
@@ -76,16 +79,54 @@ def test_cli_plan_table_and_json(capsys):
     out = json.loads(capsys.readouterr().out)
     assert 123e6 < out["params"] < 126e6 and out["recommended"]["zero_stage"] in (0, 1, 2)
     assert out["recommended"]["cost_spot_usd"] == pytest.approx(out["recommended"]["gpu_hours"] * 1.0)
-    # Mixtral 8x7B: every rank first builds the whole 187 GB fp32 model on its host (no zero.Init), 8 per node.
-    assert main(["plan", "--model", "8x7b", "--gpu", "h200", "--gpus", "16"]) == 0
-    assert "nothing fits" in (text := capsys.readouterr().out) and "--host-memory-gib" in text
-    assert main(["plan", "--model", "8x7b", "--gpu", "h200", "--gpus", "16", "--host-memory-gib", "4096"]) == 0
+    # Mixtral 8x7B on 128 GiB hosts: ZeRO-0/1/2 ranks each build the 93 GB 16-bit model (8 per node), so only
+    # ZeRO-3 (zero.Init: one layer at a time, 1/N kept) fits the host.
+    assert main(["plan", "--model", "8x7b", "--gpu", "h200", "--gpus", "16", "--host-memory-gib", "128"]) == 0
     text = capsys.readouterr().out
-    assert "active per token" in text and "recommended:" in text and "zero3" in text
+    assert "active per token" in text and "recommended: zero3" in text and "restore GiB/node" in text
+    assert main(["plan", "--model", "8x7b", "--gpu", "h200", "--gpus", "16", "--host-memory-gib", "16"]) == 0
+    assert "nothing fits" in (text := capsys.readouterr().out) and "--host-memory-gib" in text
     assert main(["plan", "--model", "11b", "--gpu", "h100", "--gpus", "1"]) == 2
     assert "not a known size" in capsys.readouterr().err
     with pytest.raises(UserError, match="--gpu 'tpu'"):
         make_plan("1b", "tpu", 1)
+
+
+def test_host_memory_and_restore_reads_per_node_at_scale(capsys):
+    # The issue's figures: ZeRO-3 without offload, 10B on one 8 x A100-80GB node and 70B on 512 H100s.
+    assert main(["plan", "--json", "--model", "10b", "--gpu", "a100-80gb", "--gpus", "8"]) == 0
+    z3 = next(o for o in json.loads(capsys.readouterr().out)["options"] if o["strategy"] == "zero3")
+    assert z3["fits"] and z3["host_gib_per_node"] <= 128
+    assert main(["plan", "--json", "--model", "70b", "--gpu", "h100", "--gpus", "512", "--node-gbps", "100"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    opts = {o["strategy"]: o for o in out["options"]}
+    assert opts["zero3"]["host_gib_per_node"] <= 2048 and out["recommended"]["zero_stage"] == 3
+    assert opts[out["recommended"]["strategy"]]["host_gib_per_node"] <= 2048
+    # Restore: a ZeRO-3 node reads its 8 ranks' partitions (1/64 of the checkpoint); ZeRO-2 nodes also read the
+    # shared 16-bit weights; ZeRO-0 everything. Time at 100 Gbit/s per node.
+    ck = out["checkpoint_gib"]
+    assert ck == pytest.approx(14 * out["params"] / GIB)
+    assert opts["zero3"]["restore_gib_per_node"] == pytest.approx(ck / 64, rel=1e-6)
+    assert opts["zero2"]["restore_gib_per_node"] == pytest.approx((2 + 12 / 64) * out["params"] / GIB, rel=1e-6)
+    assert opts["zero0"]["restore_gib_per_node"] == pytest.approx(ck)
+    assert opts["zero3"]["restore_s"] == pytest.approx(ck / 64 * GIB * 8 / 100e9, rel=1e-6)
+    # ZeRO-3 with optimizer offload: the host holds 1/N of the states, so doubling the nodes halves it.
+    shape = shape_of(model_config_for("8b"))
+    a = model_states_bytes(shape, 3, True, False, 64, 8)[1]
+    assert model_states_bytes(shape, 3, True, False, 128, 8)[1] == pytest.approx(a / 2, rel=1e-6)
+    assert 7.9e9 < shape.params < 8.1e9  # Llama-3 8B with its 128K vocabulary
+
+
+def test_plan_names_the_cluster_instance_types_that_fit():
+    names = {r["instance"]: r for r in make_plan("1b", "a100-80gb", 8).instances}
+    # Every GPU node type of the shipped cluster configs is judged; CPU-only heads are not.
+    assert {"g5.xlarge", "g6.xlarge", "g4dn.xlarge", "g2-standard-8", "a2-highgpu-1g"} <= set(names)
+    assert "m5.2xlarge" not in names and names["g5.xlarge"]["config"] == "aws-spot.yaml"
+    assert names["a2-highgpu-1g"]["fits"]
+    # 70B on 8 GPUs: 8 single-GPU nodes cannot hold it (host or device), whatever the strategy.
+    big = {r["instance"]: r for r in make_plan("70b", "h100", 8).instances}
+    assert not any(r["fits"] for r in big.values())
+    assert all(r["host_gib_per_node_needed"] > 0 for r in big.values())
 
 
 # Runs in a fresh process: a 1-rank gloo group, the real raytrain model and DeepSpeed config in bf16 (the

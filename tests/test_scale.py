@@ -61,6 +61,10 @@ def test_zero3_cpu_offload_with_activation_checkpointing(ray_cluster, tiny_data,
     # ZeRO-3 shards: one optimizer-state file per rank, each holding its partition.
     assert sorted(p.name for p in ckpt.iterdir() if "optim_states" in p.name) == [
         "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    # The restore after the crash: each rank read only its own partitions (weights and optimizer) and the small
+    # shared files, about half the checkpoint, and checked their sha256.
+    (rec,) = [json.loads(x) for x in (tmp_path / "z3off" / "restores.jsonl").read_text().splitlines()]
+    assert rec["ok"] and all(r["reads"] <= 0.6 * rec["checkpoint_bytes"] for r in rec["ranks"]), rec
     _export_loads(summary, tmp_path / "z3off-hf")
 
 

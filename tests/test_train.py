@@ -100,7 +100,9 @@ def test_resubmitted_run_resumes_from_s3(ray_cluster, s3_server, corpus_dir, tmp
                           near_dup_threshold=1.0,
                           val_fraction=0.1), log=lambda *_: None)
     runs = "s3://raytrain-test/runs"
-    cfg = tiny_cfg(data, runs, "resubmit", "run.max_steps=12", "checkpoint.every_n_steps=4")
+    # Sync upload: checkpoint 4 must be committed before the crash two steps later, however loaded the machine.
+    cfg = tiny_cfg(data, runs, "resubmit", "run.max_steps=12", "checkpoint.every_n_steps=4", "checkpoint.upload=sync",
+                   f"checkpoint.local_dir={tmp_path / 'node'}")
     with pytest.raises(Exception):
         train(cfg, log=lambda *_: None, inject={"crash_at_step": 6, "marker": str(tmp_path / "crashed")})
     fs, base = storage.resolve(runs + "/resubmit")
@@ -108,6 +110,18 @@ def test_resubmitted_run_resumes_from_s3(ray_cluster, s3_server, corpus_dir, tmp
     assert "checkpoint_00000004" in names and "summary.json" not in names
     summary = train(cfg, log=lambda *_: None)
     assert summary["checkpoint"] == runs + "/resubmit/checkpoint_00000012"
+    # Restore: each rank read only its own partitions and the shared files, each file downloaded once per node
+    # (both workers share this node), sha256-checked as it streamed in; the staging is gone afterwards.
+    (rec,) = [json.loads(x) for x in storage.read_text(runs + "/resubmit/restores.jsonl").splitlines()]
+    assert rec["ok"] and rec["checkpoint"] == "checkpoint_00000004"
+    manifest = json.loads(storage.read_text(runs + "/resubmit/checkpoint_00000004/manifest.json"))["files"]
+    total = sum(f["size"] for f in manifest.values())
+    partition = {r: sum(f["size"] for k, f in manifest.items() if f"rank_{r}_" in k or k.endswith(f"rank_0000{r}.pt"))
+                 for r in (0, 1)}
+    for r in rec["ranks"]:
+        assert r["reads"] == total - partition[1 - r["rank"]]  # ZeRO-2: all but the other rank's partition
+    assert sum(rec["node_bytes"].values()) == total == rec["checkpoint_bytes"]  # one node: the union, once
+    assert not list((tmp_path / "node" / "restore").iterdir())
     got = _losses(cfg.run_uri)
     assert sorted(got) == list(range(1, 13))
     for step in range(5, 13):
@@ -125,7 +139,9 @@ def test_resize_2_to_1_to_2_keeps_data_position_and_global_batch(ray_cluster, ti
         train(tiny_cfg(tiny_data, tmp_path, "resize", *common), log=lambda *_: None,
               inject={"crash_at_step": 5, "marker": str(tmp_path / "m1")})
     one = tiny_cfg(tiny_data, tmp_path, "resize", *common, "scaling.num_workers=1")
-    with pytest.raises(Exception):  # 1 worker: accumulation 1 -> 2 keeps 8 sequences per step
+    with pytest.raises(Exception):  # 1 worker: accumulation 1 -> 2 keeps 8 sequences per step; dies before step 8
+        train(one, log=lambda *_: None, inject={"crash_at_step": 6, "marker": str(tmp_path / "m1b")})
+    with pytest.raises(Exception):  # a second resize from the same checkpoint (4): its universal form is reused
         train(one, log=lambda *_: None, inject={"crash_at_step": 9, "marker": str(tmp_path / "m2")})
     two = tiny_cfg(tiny_data, tmp_path, "resize", *common)
     summary = train(two, log=lambda *_: None)
@@ -138,6 +154,14 @@ def test_resize_2_to_1_to_2_keeps_data_position_and_global_batch(ray_cluster, ti
         state = json.loads((tmp_path / "resize" / f"checkpoint_{step:08d}" / "raytrain_state.json").read_text())
         assert state["samples_seen"] == step * 8 and state["global_batch"] == 8
     assert _crcs(two.run_uri) == _crcs(baseline[0]["run_uri"])
+    # One universal conversion per source checkpoint (4: written by 2 workers, resumed twice on 1; 8: written by
+    # 1, resumed on 2), each kept beside its checkpoint in storage.
+    conv = [json.loads(x) for x in (tmp_path / "resize" / "conversions.jsonl").read_text().splitlines()]
+    assert [(c["checkpoint"], c["from_world"], c["to_world"]) for c in conv] == [
+        ("checkpoint_00000004", 2, 1), ("checkpoint_00000008", 1, 2)]
+    restores = [json.loads(x)["checkpoint"] for x in (tmp_path / "resize" / "restores.jsonl").read_text().splitlines()]
+    assert restores == ["checkpoint_00000004", "checkpoint_00000004", "checkpoint_00000008"]
+    assert (tmp_path / "resize" / "checkpoint_00000008" / "universal" / "manifest.json").exists()  # (4: pruned, keep_last 2)
 
 
 def test_sigterm_checkpoints_at_once_and_resumes_identically(ray_cluster, tiny_data, tmp_path, baseline):
@@ -176,13 +200,19 @@ def test_corrupt_newest_checkpoint_resumes_from_the_previous_one(ray_cluster, ti
     cfg = tiny_cfg(tiny_data, tmp_path, "corrupt", "run.max_steps=12", "checkpoint.every_n_steps=4")
     with pytest.raises(Exception):  # dies at step 9, after checkpoint 8 was committed
         train(cfg, log=lambda *_: None, inject={"crash_at_step": 9, "marker": str(tmp_path / "died")})
-    shard = tmp_path / "corrupt" / "checkpoint_00000008" / "engine" / "mp_rank_00_model_states.pt"
+    # Rank 1's optimizer partition: only rank 1 reads it, so only rank 1 can see the damage.
+    rel = "engine/zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    shard = tmp_path / "corrupt" / "checkpoint_00000008" / rel
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
     train(cfg, log=lambda *_: None)
     attempts = [json.loads(x) for x in (tmp_path / "corrupt" / "attempts.jsonl").read_text().splitlines()]
     assert [a["resumed_step"] for a in attempts] == [0, 4]
+    # Detected by rank 1 alone; both ranks moved on together to checkpoint 4 (one all-gather decides).
+    restores = [json.loads(x) for x in (tmp_path / "corrupt" / "restores.jsonl").read_text().splitlines()]
+    assert [(r["checkpoint"], r["ok"]) for r in restores] == [("checkpoint_00000008", False), ("checkpoint_00000004", True)]
+    assert [r["bad"] for r in restores[0]["ranks"]] == [[], [rel]]
     got = _losses(cfg.run_uri)
     for step in range(5, 13):
         assert got[step] == pytest.approx(want[step], abs=1e-5), step

@@ -39,7 +39,7 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     decay, no_decay = [], []
     for _, p in model.named_parameters():
         if p.requires_grad:
-            (decay if p.dim() >= 2 else no_decay).append(p)
+            (decay if len(getattr(p, "ds_shape", p.shape)) >= 2 else no_decay).append(p)  # ds_shape: ZeRO-3
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
@@ -87,20 +87,24 @@ def train_loop_per_worker(loop_config: dict) -> None:
     # restart inside one job or the same run submitted again. (Ray's own registry can miss the newest
     # one when a worker dies right after uploading; our manifests cannot.) A checkpoint written by
     # another number of workers is loaded through DeepSpeed's universal format.
-    resumed = ckpt.find_resume_point(cfg.run_uri, rank, deep=cfg.checkpoint.verify_on_resume == "checksum")
+    resumed = ckpt.find_resume_point(cfg.run_uri, rank, deep=cfg.checkpoint.verify_on_resume == "checksum",
+                                     local_dir=cfg.checkpoint.local_dir,
+                                     tensor_parallel=cfg.deepspeed.tensor_parallel_size > 1)
     resharding = resumed is not None and ckpt.peek_state(resumed).world_size != world
     boot = {"resume_point": time.time()}  # start-up phases (when each ended): where a recovery's seconds go
 
     # Model and engine. DeepSpeed reuses the process group Ray Train already set up.
     vocab = cfg.model.vocab_size or train_split.vocab_size
-    model = build_model(cfg.model, vocab, cfg.run.seed, train_split.eot_id)
-    n_params, n_active = param_counts(model, cfg.model)  # active per token (MoE: top-k experts): the FLOPs behind MFU
-    boot["model"] = time.time()
     # Native bf16 only: torch also says yes for pre-Ampere GPUs that emulate it (slowly); those get fp16.
     dtype = resolve_dtype(cfg, cuda, cuda and torch.cuda.is_bf16_supported(including_emulation=False))
     ds_config = build_ds_config(cfg, world, dtype, cuda)
     if resharding:
         ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": True}
+    # Built for this config: ZeRO-3 partitioned as it is created, ZeRO-0/1/2 in the training dtype.
+    with no_stdout():
+        model = build_model(cfg.model, vocab, cfg.run.seed, train_split.eot_id, ds_config=ds_config)
+    n_params, n_active = param_counts(model, cfg.model)  # active per token (MoE: top-k experts): the FLOPs behind MFU
+    boot["model"] = time.time()
     with no_stdout():
         engine, _, _, _ = deepspeed.initialize(
             model=model,

@@ -231,7 +231,8 @@ def rollback(v: Violation, tel: Telemetry, engine, state, stream, run_uri: str, 
         why = ("health.on_bad_loss=stop" if v.action == "stop" else
                f"{tel.rollbacks} rollbacks already (health.max_rollbacks={h.max_rollbacks})")
         stop(tel, run_uri, f"{v.message}; {why}")
-    resumed = ckpt.find_resume_point(run_uri, tel.rank)
+    resumed = ckpt.find_resume_point(run_uri, tel.rank, local_dir=tel.cfg.checkpoint.local_dir,
+                                     tensor_parallel=tel.cfg.deepspeed.tensor_parallel_size > 1)
     if resumed is None:
         stop(tel, run_uri, f"{v.message} before the first complete checkpoint, nothing to roll back to; "
                            f"lower optim.lr or checkpoint earlier (checkpoint.every_n_steps)")
