@@ -9,7 +9,7 @@ import pytest
 from raytrain import storage
 from raytrain.data.manifest import load_split
 from raytrain.data.plan import SamplePlan
-from raytrain.data.prepare import PrepareConfig, write_split
+from raytrain.data.shards import write_shard
 from raytrain.data.reader import PlannedReader
 from raytrain.data.stream import read_pyarrow
 from raytrain.errors import UserError
@@ -25,10 +25,16 @@ def many_units(tiny_data, tmp_path_factory):
     out.mkdir()
     shutil.copy(tiny_data / "tokenizer.json", out / "tokenizer.json")
     rows = np.concatenate([r for _, r in read_pyarrow(list(src.shard_uris), src.seq_len + 1)])
-    cfg = PrepareConfig(inputs=["unused"], out=str(out), seq_len=src.seq_len, shard_rows=3,
-                        formats=["parquet", "webdataset"])
-    write_split(rows, str(out / "train"), cfg, {"vocab_size": src.vocab_size, "eot_id": src.eot_id,
-                                                 "tokenizer": "../tokenizer.json"}, log=lambda *_: None)
+    split_uri, formats = str(out / "train"), ["parquet", "webdataset"]
+    shards: dict = {fmt: [] for fmt in formats}
+    for i, start in enumerate(range(0, len(rows), 3)):  # prepare's own shard writer, 3 rows a shard
+        entries, _ = write_shard(split_uri, i, start, rows[start:start + 3], formats)
+        for fmt, entry in entries.items():
+            shards[fmt].append(entry)
+    manifest = {"format": "parquet", "formats": formats, "seq_len": src.seq_len, "num_samples": int(len(rows)),
+                "num_tokens": int(rows.size), "shards": shards, "vocab_size": src.vocab_size, "eot_id": src.eot_id,
+                "tokenizer": "../tokenizer.json"}
+    storage.write_text(storage.join(split_uri, "manifest.json"), json.dumps(manifest, indent=1))
     return str(out)
 
 

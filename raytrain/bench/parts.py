@@ -357,7 +357,8 @@ def recovery(data: str, tmp: str, quick: bool, log: Callable = print) -> list[di
     at = {r["step"]: r["time"] for r in metrics(cfg.run_uri) if "loss" in r}
     r0 = resumed["resumed_step"]
     tokens = window * cfg.global_batch * cfg.model.seq_len
-    before = tokens / (at[r0] - at[r0 - window])
+    lo = max(min(at), r0 - window)  # no step-0 record (no validation): the window starts at step 1
+    before = (r0 - lo) * cfg.global_batch * cfg.model.seq_len / (at[r0] - at[lo])
     after = tokens / (at[r0 + 1 + window] - at[r0 + 1])  # from the first resumed step: no restart time inside
     log(f"  tokens/s over {window} steps: {before:,.0f} before the kill, {after:,.0f} after the resume "
         f"(ratio {after / before:.2f})")
