@@ -27,7 +27,19 @@ fi
 echo "[demo] starting a local Ray cluster (GCS port $GCS_PORT, dashboard/jobs port $DASH_PORT, $NUM_CPUS CPUs)"
 echo "[demo] $RAYTRAIN_AUTH_LINE"
 RAY_TMP="$(mktemp -d /tmp/raytrain-demo-XXXX)"
+# The agents' ports are free ones, not Ray's fixed defaults (52365 for the job agent, 10001 ...): another
+# Ray instance on this machine holds those, and the jobs API then never finds an agent to run the job.
+read -r AGENT_PORT AGENT_GRPC METRICS RTENV CLIENT < <(python - <<'PY'
+import socket
+socks = [socket.socket() for _ in range(5)]
+for s in socks:
+    s.bind(("127.0.0.1", 0))
+print(*[s.getsockname()[1] for s in socks])
+PY
+)
 ray start --head --block --port="$GCS_PORT" --dashboard-host=127.0.0.1 --dashboard-port="$DASH_PORT" \
+  --dashboard-agent-listen-port="$AGENT_PORT" --dashboard-agent-grpc-port="$AGENT_GRPC" \
+  --metrics-export-port="$METRICS" --runtime-env-agent-port="$RTENV" --ray-client-server-port="$CLIENT" \
   --num-cpus="$NUM_CPUS" --include-dashboard=true --disable-usage-stats >"$RAY_TMP/ray-start.log" 2>&1 &
 RAY_PID=$!
 stop_cluster() {

@@ -241,8 +241,8 @@ def test_a_stalled_rank_gives_a_named_communication_timeout_not_a_hang(ray_clust
 
     cfg = tiny_cfg(tiny_data, tmp_path, "stall", "run.max_steps=8", "scaling.collective_timeout_s=6",
                    "metrics.prometheus=false")
-    with pytest.raises(UserError, match=r"communication failure on rank 0 of 2 at step 3, in the all-reduce of the "
-                                        r"step loss, after \d+\.\ds \(backend gloo, scaling.collective_timeout_s=6") as e:
+    with pytest.raises(UserError, match=r"communication failure on rank 0 of 2 at step 3, in the per-step all-reduce "
+                                        r"\(loss, preemption notice, checkpoint agreement\), after \d+\.\ds \(backend gloo, scaling.collective_timeout_s=6") as e:
         train(cfg, log=lambda *_: None, inject={"events": [{"step": 3, "rank": 1, "signal": "STALL", "seconds": 60}],
                                                  "marker": str(tmp_path / "stalled")})
     waited = float(re.search(r"after (\d+\.\d)s", str(e.value)).group(1))
