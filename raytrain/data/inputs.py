@@ -5,6 +5,7 @@ or as a Ray Data pipeline spread over the cluster. Invalid UTF-8 is replaced or 
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import functools
 import glob
@@ -114,6 +115,20 @@ def _rows_of(row: dict, **kw) -> list[dict]:
     return [{"text": t, "utf8": s} for t, s in read_file(row["uri"], **kw)]
 
 
+@contextlib.contextmanager
+def user_errors_from_ray():
+    """Our one-line errors raised inside Ray tasks reach the user as that one line, not Ray's wrapped traceback."""
+    try:
+        yield
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 - unwrap our one-line errors from Ray tasks
+        msg = _user_error_in(e)
+        if msg:
+            raise UserError(msg) from None
+        raise
+
+
 def _user_error_in(err: BaseException) -> Optional[str]:
     """A UserError raised inside a Ray task arrives wrapped; find its one line."""
     marker = "UserError: "
@@ -180,19 +195,12 @@ def iter_documents(inputs: list[str], counts: Counter, text_field: str = "text",
             rows = ds.flat_map(functools.partial(_rows_of, **kw)).iter_rows()
         else:
             rows = _local_rows(uris, kw, log)
-        try:
+        with user_errors_from_ray():
             for row in rows:
                 if row["utf8"] != "ok":
                     counts["invalid_utf8_replaced" if row["text"] is not None else "dropped_invalid_utf8"] += 1
                 if row["text"] is not None:
                     yield row["text"]
-        except UserError:
-            raise
-        except Exception as e:  # noqa: BLE001 - unwrap our one-line errors from Ray tasks
-            msg = _user_error_in(e)
-            if msg:
-                raise UserError(msg) from None
-            raise
 
 
 def _local_rows(uris: list[str], kw: dict, log) -> Iterator[dict]:

@@ -28,7 +28,7 @@ import pyarrow.compute as pc
 from raytrain import storage
 from raytrain.data import minhash, stages
 from raytrain.data.corpus import BUILTIN, python_docs
-from raytrain.data.inputs import _user_error_in, expand, read_file, use_ray
+from raytrain.data.inputs import expand, read_file, use_ray, user_errors_from_ray
 from raytrain.data.report import MAX_LENGTH_SAMPLE
 from raytrain.errors import UserError
 
@@ -229,15 +229,8 @@ def run(cfg, out: str, make_tokenizer: Callable[[Optional[list[str]]], tuple], l
     ray_engine = use_ray(engine, OBJECT_STORE_BYTES)
     log(f"prepare: {len(src.uris) + (1 if src.builtin else 0)} input(s), {src.bytes / 2**20:.1f} MB, "
         f"{src.n_parts} partition(s), engine {'ray' if ray_engine else 'local'}")
-    try:
+    with user_errors_from_ray():
         return (_run_ray if ray_engine else _run_local)(cfg, src, out, make_tokenizer, log)
-    except UserError:
-        raise
-    except Exception as e:  # noqa: BLE001 - unwrap our one-line errors from Ray tasks
-        msg = _user_error_in(e)
-        if msg:
-            raise UserError(msg) from None
-        raise
 
 
 def _read_kw(cfg) -> dict:
