@@ -10,6 +10,7 @@ import copy
 import json
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
 
@@ -86,8 +87,6 @@ class DataConfig(_Section):
     val: Optional[str] = Field(None, description="URI of the prepared validation split; null: no validation")
     format: Literal["parquet", "webdataset"] = Field("parquet", description="shard format to train from (the dataset must have been prepared with it); both give the same sample order")
     shuffle: bool = Field(True, description="shuffle shard order and rows each epoch (deterministic from run.seed)")
-    shuffle_window: int = Field(4096, ge=1, description="older SampleStream reader only (not training, which shuffles rows inside each unit of the sample plan): rows shuffled together inside an epoch")
-    prefetch_batches: int = Field(2, ge=0, description="older SampleStream reader only (training reads ahead under the sample plan): Ray Data blocks read ahead")
     pin_memory: bool = Field(True, description="GPU only: batches go to the device through pinned host memory with non-blocking copies (ignored on CPU, where batches are used in place)")
     eval_samples: int = Field(512, ge=1, description="validation sequences per evaluation (the first ones of val)")
     verify: Literal["size", "checksum"] = Field("size", description="check of every shard against the manifest before training: sizes (cheap) or sha256 (reads all data once)")
@@ -147,14 +146,14 @@ class DeepSpeedSection(_Section):
 
 
 class ScalingSection(_Section):
-    """Ray Train workers and the CPUs kept free for Ray Data (so ingest never starves)."""
+    """Ray Train workers and the CPUs they need beside the training step."""
 
     num_workers: int = Field(2, ge=1, description="Ray Train workers (data-parallel ranks)")
     use_gpu: bool = Field(False, description="one GPU per worker, NCCL; false: CPU and gloo")
     cpus_per_worker: float = Field(1.0, gt=0.0, description="logical CPUs per worker (also torch threads)")
     gpus_per_worker: float = Field(1.0, ge=0.0, description="GPUs per worker when use_gpu")
     resources_per_worker: dict[str, float] = Field(default_factory=dict, description="extra custom Ray resources per worker, e.g. {spot: 1}")
-    data_cpus: float = Field(1.0, gt=0.0, description="logical CPUs left free for Ray Data read tasks (split over workers)")
+    data_cpus: float = Field(1.0, gt=0.0, description="logical CPUs reserved beside the workers' for work outside the step (each worker's data reader threads, checkpoint uploads); counted when sizing a local Ray instance, checking a cluster and packing Tune trials")
     collective_timeout_s: int = Field(1800, ge=1, description="a collective (gradient all-reduce, barrier) waiting longer than this fails with a diagnosis naming the rank and the collective instead of hanging; a warning is logged at half of it")
     address: Optional[str] = Field(None, description="Ray cluster address; null: RAY_ADDRESS if set, else a new local Ray instance")
 
@@ -186,7 +185,6 @@ class CheckpointSection(_Section):
     local_dir: Optional[str] = Field(None, description="node-local directory for restore downloads (each node fetches only its ranks' files, once) and save staging; staging of killed processes is removed at start. Default: the node's largest local disk (/opt/dlami/nvme, /mnt, ...; else ~/.cache)/raytrain")
     verify_on_resume: Literal["checksum", "size"] = Field("checksum", description="how the checkpoint to resume from is checked: sha256 of every file (reads it once more) or sizes only")
     on_preemption: bool = Field(True, description="checkpoint at once when a node is drained for preemption or a worker gets SIGTERM")
-    preemption_check_s: float = Field(2.0, ge=0, description="unused: Ray's preemption notice is now read locally every step and agreed on through the step's loss all-reduce (kept so older configs still load)")
 
 
 class RunSection(_Section):
@@ -239,6 +237,22 @@ class CostSection(_Section):
     record_nodes: bool = Field(True, description="the driver polls Ray's node list during the run and writes <run>/nodes.json (node time by market, lost nodes)")
 
 
+# Keys that no longer do anything, and why. Saved configs and recipes that hold them still load (they are
+# dropped, with a warning where a person wrote them); a new override or search-space key naming one fails.
+RETIRED = {
+    "data.shuffle_window": "training shuffles rows inside each unit of the sample plan (docs/DATA.md)",
+    "data.prefetch_batches": "the training reader reads ahead by itself, about one unit per lane",
+    "checkpoint.preemption_check_s": "the preemption notice is read every step and agreed on through the step's "
+                                     "loss all-reduce",
+}
+
+
+def _retired_in(tree: Any) -> list[str]:
+    if not isinstance(tree, dict):
+        return []
+    return [k for k in RETIRED if isinstance(tree.get(k.split(".")[0]), dict) and k.split(".")[1] in tree[k.split(".")[0]]]
+
+
 class Config(_Section):
     """A whole run. `raytrain config --config NAME` prints it resolved."""
 
@@ -254,6 +268,17 @@ class Config(_Section):
     metrics: MetricsSection = Field(default_factory=MetricsSection)
     health: HealthSection = Field(default_factory=HealthSection)
     cost: CostSection = Field(default_factory=CostSection)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_retired(cls, tree: Any) -> Any:
+        found = _retired_in(tree)
+        if found:
+            tree = {k: (dict(v) if isinstance(v, dict) else v) for k, v in tree.items()}
+            for key in found:
+                section, name = key.split(".")
+                tree[section].pop(name)
+        return tree
 
     @model_validator(mode="after")
     def _one_gpu_per_worker(self) -> "Config":
@@ -350,6 +375,9 @@ def reference_markdown() -> str:
             default = f.default_factory() if f.default_factory else f.default
             lines.append(f"| `{section}.{name}` | `{ann}` | `{json.dumps(default)}` | {f.description or ''} |")
         lines.append("")
+    lines += ["## Retired keys", "", "Files and saved configs that hold them still load (the key is dropped with a",
+              "warning); an override or search-space key naming one is an error.", "", "| key | why |", "| --- | --- |"]
+    lines += [f"| `{k}` | {why} |" for k, why in RETIRED.items()] + [""]
     return "\n".join(lines)
 
 
@@ -399,6 +427,8 @@ def _number_or_str(s: str) -> Any:
 def check_key(dotted: str, root: type[BaseModel] = None) -> None:
     """Fail with the full dotted key when it names nothing in the schema (e.g. `no.such.key`)."""
     cls: Any = root or Config
+    if cls is Config and dotted in RETIRED:
+        raise UserError(f"config key {dotted!r} is no longer used: {RETIRED[dotted]}; leave it out")
     parts = dotted.split(".")
     for i, part in enumerate(parts):
         field = cls.model_fields.get(part)
@@ -464,6 +494,9 @@ def _section_for(loc: tuple) -> Optional[type[BaseModel]]:
 
 
 def validate(tree: dict) -> Config:
+    for key in _retired_in(tree):
+        print(f"warning: config key {key!r} is no longer used: {RETIRED[key]}; remove it from the file",
+              file=sys.stderr)
     try:
         return Config.model_validate(tree)
     except ValidationError as err:

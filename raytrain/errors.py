@@ -6,3 +6,13 @@ class UserError(Exception):
 
     The CLI prints it as one line and exits with status 2; no traceback, nothing half-written.
     """
+
+
+def first_line(e: BaseException, limit: int = 200) -> str:
+    """The line of an exception that names the cause: Ray prefixes errors raised in its workers with lines
+    of its own ("ray::...", a traceback), and a log line or one-line error needs only the cause."""
+    text = str(e).strip()
+    for line in text.splitlines():
+        if line.strip() and not line.startswith(("ray::", "Traceback", "  ")):
+            text = line.strip()
+    return (text or type(e).__name__)[:limit]

@@ -21,11 +21,11 @@ from raytrain.errors import UserError
 
 def eval_rows(split, n_samples: int, micro_batch: int, world: int) -> np.ndarray:
     """The rows training's Evaluator (raytrain.worker.evaluate) scores: the same count, the same order."""
-    from raytrain.data.stream import SampleStream
+    from raytrain.data.reader import read_rows
 
     block = world * micro_batch
     n = max(block, (min(n_samples, split.num_samples) // block) * block)
-    return SampleStream(split, seed=0, shuffle=False, reader="pyarrow").take(n)
+    return read_rows(split, 0, n)
 
 
 @torch.no_grad()

@@ -81,7 +81,7 @@ def init_ray(cfg: Config) -> bool:
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=True, **quiet)
         return False
     # No address: a fresh local instance, never a stray cluster left on this machine. Its logical CPUs
-    # are sized so that Train workers AND Ray Data both fit (pitfalls #1).
+    # cover the workers and scaling.data_cpus (the readers' threads, uploads) at least.
     need = cfg.scaling.num_workers * cfg.scaling.cpus_per_worker + cfg.scaling.data_cpus
     ray.init(address="local", num_cpus=max(int(need + 0.999), os.cpu_count() or 1), include_dashboard=False,
              runtime_env=runtime_env, **quiet)
@@ -148,13 +148,16 @@ def check_cluster(cfg: Config, local: bool) -> None:
               f"step on {s.cpus_per_worker:g} CPU thread(s) per worker (scaling.cpus_per_worker); give each GPU "
               "worker more, e.g. scaling.cpus_per_worker=8, or the step will wait on the CPU", flush=True)
     total = res.get("CPU", 0)
-    need = cfg.scaling.num_workers * cfg.scaling.cpus_per_worker + cfg.scaling.data_cpus
-    if total < need:
-        # Not an error: on an autoscaling cluster the nodes come. If they never do, the workers' data
-        # stall timeout turns the wait into a clear error instead of a hang.
-        print(f"[raytrain] warning: the cluster has {total:g} CPUs now; the run needs {need:g} "
-              f"({cfg.scaling.num_workers} workers x {cfg.scaling.cpus_per_worker:g} + {cfg.scaling.data_cpus:g} "
-              f"for Ray Data). Waiting for the autoscaler; without one, training data will starve.", flush=True)
+    workers = cfg.scaling.num_workers * cfg.scaling.cpus_per_worker
+    if total < workers:
+        # Not an error: on an autoscaling cluster the nodes come, and Ray Train waits for them.
+        print(f"[raytrain] warning: the cluster has {total:g} CPUs now; the {cfg.scaling.num_workers} workers need "
+              f"{workers:g} (scaling.num_workers x scaling.cpus_per_worker). Waiting for the autoscaler; without "
+              "one, lower those settings or add nodes.", flush=True)
+    elif total < workers + cfg.scaling.data_cpus:
+        print(f"[raytrain] warning: the cluster has {total:g} CPUs; after the workers' {workers:g}, fewer than "
+              f"scaling.data_cpus={cfg.scaling.data_cpus:g} are left for the data readers and checkpoint uploads, "
+              "so steps may wait on them (the run logs data_wait_frac).", flush=True)
 
 
 def _root_user_error(err: BaseException) -> Optional[str]:
@@ -198,7 +201,7 @@ def _env_inject() -> Optional[dict]:
         raise UserError(f"RAYTRAIN_FAULT_INJECT is not JSON ({e}); unset it, or see worker/loop.py _crash_hook") from None
 
 
-def train(cfg: Config, log: Callable[[str], None] = print, reader: str = "ray", inject: Optional[dict] = None,
+def train(cfg: Config, log: Callable[[str], None] = print, inject: Optional[dict] = None,
           callbacks: Optional[list] = None) -> dict:
     """Run (or resume) a training run to run.max_steps. Returns the run's summary.json contents.
 
@@ -238,7 +241,7 @@ def train(cfg: Config, log: Callable[[str], None] = print, reader: str = "ray", 
     trainer = _trainer_class()(
         train_loop_per_worker,
         train_loop_config={"config": cfg.to_dict(), "train_split": train_split.to_dict(),
-                           "val_split": val_split.to_dict() if val_split else None, "reader": reader,
+                           "val_split": val_split.to_dict() if val_split else None,
                            "inject": inject if inject is not None else _env_inject()},
         torch_config=TorchConfig(backend="nccl" if s.use_gpu else "gloo", timeout_s=s.collective_timeout_s),
         scaling_config=ScalingConfig(num_workers=s.num_workers, use_gpu=s.use_gpu, resources_per_worker=resources),

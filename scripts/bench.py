@@ -2,12 +2,13 @@
 
 Parts (see raytrain/bench/parts.py):
   overhead    raytrain tokens/s at steady state vs a plain PyTorch loop (1 worker) and plain DDP (2 workers)
-  ingest      SampleStream tokens/s (Ray Data and pyarrow readers) vs a raw pyarrow read; data wait in training
+  ingest      the training reader's tokens/s (PlannedReader, plan order) vs a raw pyarrow read; data wait in training
   checkpoint  save / restore MB/s to a local S3-protocol server (moto) vs raw boto3; async vs sync upload stall
   recovery    seconds from a worker SIGKILL to the first resumed step; steps lost; tokens/s after vs before
   gpu         MFU of GPT-2-124M and a ~1B Llama in bf16 vs plain PyTorch + DeepSpeed (skipped without CUDA)
   dataplane   the sample plan alone at N = 8..1024 on a synthetic 1 TB manifest: read amplification, per-worker cost
-  dataplane_runs  real CPU runs under the plan at 1, 2, 4 workers: read amplification, bytes, data wait (counters)
+  dataplane_runs  real CPU runs under the plan at 1, 2, 4 workers, Parquet and WebDataset, local and S3 (moto):
+              read amplification, rows and bytes read per worker, data wait (the runs' own counters)
   memory      peak host RSS per worker of a ~322M ZeRO-3 model at 1, 2 and 4 workers vs 1 worker (not in the default set)
 
 Usage: .venv/bin/python scripts/bench.py [--quick] [--parts overhead,ingest,...] [--json out.json] [--markdown]
@@ -114,6 +115,17 @@ def main(argv: list[str] | None = None) -> dict:
     started_ray = False
     try:
         data = None
+        if set(parts) & {"checkpoint", "dataplane_runs"}:
+            # Before any Ray instance starts, so that its workers inherit the endpoint and credentials.
+            from tests.conftest import start_moto
+
+            moto, endpoint = start_moto()
+            os.environ.update({"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "bench",
+                               "AWS_SECRET_ACCESS_KEY": "bench", "AWS_REGION": "us-east-1",
+                               "AWS_EC2_METADATA_DISABLED": "true"})
+            import boto3
+
+            boto3.client("s3").create_bucket(Bucket="bench")
         if set(parts) & {"overhead", "ingest", "recovery"}:
             t = time.perf_counter()
             data = P.prepare_data(os.path.join(tmp, "data"), 300_000 if args.quick else 1_500_000)
@@ -154,20 +166,11 @@ def main(argv: list[str] | None = None) -> dict:
             _, train_runs = section("1. training overhead: raytrain vs plain loops (same model, micro-batch, threads)",
                                     lambda: P.overhead(data, tmp, args.quick))
         if "ingest" in parts:
-            section("2. ingest: SampleStream vs raw pyarrow; data wait in training",
+            section("2. ingest: the training reader vs raw pyarrow; data wait in training",
                     lambda: P.ingest(data, 3 if args.quick else 10, train_runs))
             if train_runs is None:
                 print("   (data wait comes from part 'overhead'; run it too for that figure)")
         if "checkpoint" in parts:
-            from tests.conftest import start_moto
-
-            moto, endpoint = start_moto()
-            os.environ.update({"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "bench",
-                               "AWS_SECRET_ACCESS_KEY": "bench", "AWS_REGION": "us-east-1",
-                               "AWS_EC2_METADATA_DISABLED": "true"})
-            import boto3
-
-            boto3.client("s3").create_bucket(Bucket="bench")
             size = (96 if args.quick else 384) << 20
             section(f"3. checkpoint: {size >> 20} MiB to moto S3 on 127.0.0.1 via raytrain.storage "
                     "vs raw boto3; async vs sync upload stall",
@@ -186,8 +189,8 @@ def main(argv: list[str] | None = None) -> dict:
         if "dataplane_runs" in parts:
             from raytrain.bench.dataplane import runs as dataplane_runs
 
-            section("7. dataplane_runs: training under the plan, 1/2/4 workers, counters from summary.json",
-                    lambda: dataplane_runs(tmp))
+            section("7. dataplane_runs: training under the plan, 1/2/4 workers, Parquet/WebDataset, local/S3",
+                    lambda: dataplane_runs(tmp, s3="s3://bench/dataplane", quick=args.quick))
         if "memory" in parts:
             from raytrain.bench.memory import memory
 

@@ -3,10 +3,10 @@ measured in the same run.
 
   prepare: `raytrain prepare` end to end (MB/s of input text, tokens/s written), beside the tokenizer alone
            (encode_batch over the same documents: the floor no pipeline around it can beat).
-  ingest:  tokens/s a training worker (a Ray actor with 1 CPU) gets through SampleStream - the exact global
-           order, for Parquet and WebDataset, Ray Data reader and plain reader - beside a raw pyarrow read of
-           the same shard files in the same worker (Parquet: read_table; tar: the bytes), from local disk
-           and from an S3-protocol server (moto) on 127.0.0.1.
+  ingest:  tokens/s a training worker (a Ray actor with 1 CPU) gets from the training reader (PlannedReader:
+           the sample plan's order, one rank holding all 64 lanes), for Parquet and WebDataset, beside a raw
+           pyarrow read of the same shard files in the same worker (Parquet: read_table; tar: the bytes),
+           from local disk and from an S3-protocol server (moto) on 127.0.0.1.
 
 Usage: .venv/bin/python scripts/bench_data.py [--quick] [--json out.json]
 Prints a Markdown table (paste into docs/BENCHMARKS.md) and the raw figures as JSON.
@@ -65,26 +65,30 @@ def bench_prepare(out: str, max_chars: int, seq_len: int) -> dict:
             "shards_per_format": report["train"]["shards"]}
 
 
-def ingest_in_worker(split_uri: str, fmt: str, reader: str, epochs: int) -> dict:
-    """Runs inside the worker actor: SampleStream throughput, then a raw pyarrow read of the same shards."""
+def ingest_in_worker(split_uri: str, fmt: str, epochs: int) -> dict:
+    """Runs inside the worker actor: the training reader's throughput, then a raw pyarrow read of the same shards."""
     import pyarrow.parquet as pq
 
     from raytrain import storage
     from raytrain.data.manifest import load_split
-    from raytrain.data.stream import SampleStream
+    from raytrain.data.plan import SamplePlan
+    from raytrain.data.reader import PlannedReader
 
     split = load_split(split_uri, fmt=fmt)
-    n = split.num_samples * epochs
-    # End to end from a cold start, as a worker sees it: reader start-up (Ray Data's first tasks) included.
+    gb = 64
+    plan = SamplePlan.for_split(split, seed=0, global_batch=gb)
+    steps = plan.steps_per_epoch * epochs
+    # End to end from a cold start, as a worker sees it: the first units' reads included.
     t = time.perf_counter()
-    s = SampleStream(split, seed=0, reader=reader, background=True)
-    s.take(1)
+    reader = PlannedReader(split, plan, (0, gb), 0, end_step=steps)
+    reader.take(0)
     startup = time.perf_counter() - t
-    got = 1
-    while got < n:
-        got += len(s.take(min(256, n - got)))
+    for step in range(1, steps):
+        reader.take(step)
     dt = time.perf_counter() - t
-    tokens = n * (split.seq_len + 1)
+    c = reader.counters()
+    reader.close()
+    tokens = steps * gb * (split.seq_len + 1)
     t = time.perf_counter()
     raw = 0
     for _ in range(epochs):
@@ -97,7 +101,10 @@ def ingest_in_worker(split_uri: str, fmt: str, reader: str, epochs: int) -> dict
                     f.read()
             raw += rows * (split.seq_len + 1)
     dt_raw = time.perf_counter() - t
-    return {"tokens_per_s": tokens / dt, "startup_s": startup, "raw_pyarrow_tokens_per_s": raw / dt_raw}
+    return {"tokens_per_s": tokens / dt, "startup_s": startup, "raw_pyarrow_tokens_per_s": raw / dt_raw,
+            "read_amplification": c["rows_read"] / c["rows_trained"],
+            "bytes_fetched_per_split_byte": c["bytes_fetched"] / (epochs * sum(
+                fs.get_file_info(p).size for fs, p in map(storage.resolve, split.shard_uris)))}
 
 
 def main() -> None:
@@ -131,9 +138,8 @@ def main() -> None:
         results["ingest"] = []
         for where, base in (("local", local), ("s3", s3)):
             for fmt in ("parquet", "webdataset"):
-                for reader in ("ray", "pyarrow"):
-                    r = ray.get(worker.remote(f"{base}/train", fmt, reader, epochs))
-                    results["ingest"].append({"where": where, "format": fmt, "reader": reader, **r})
+                r = ray.get(worker.remote(f"{base}/train", fmt, epochs))
+                results["ingest"].append({"where": where, "format": fmt, **r})
         ray.shutdown()
     finally:
         proc.terminate()
@@ -143,12 +149,13 @@ def main() -> None:
     print(f"\nprepare ({p['text_mb']:.2f} MB of text, Parquet + WebDataset): {p['prepare_mb_per_s']:.2f} MB/s, "
           f"{p['prepare_tokens_per_s']:,.0f} tokens/s end to end; tokenizer alone {p['tokenizer_only_tokens_per_s']:,.0f} "
           f"tokens/s (ratio {p['prepare_tokens_per_s'] / p['tokenizer_only_tokens_per_s']:.2f})\n")
-    print("| storage | format | reader | SampleStream tokens/s (cold start) | raw pyarrow read tokens/s | ratio | first row after s |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| storage | format | training reader tokens/s (cold start) | raw pyarrow read tokens/s | ratio | "
+          "first batch after s | read amplification | bytes fetched / split bytes |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results["ingest"]:
-        print(f"| {r['where']} | {r['format']} | {r['reader']} | {r['tokens_per_s']:,.0f} | "
+        print(f"| {r['where']} | {r['format']} | {r['tokens_per_s']:,.0f} | "
               f"{r['raw_pyarrow_tokens_per_s']:,.0f} | {r['tokens_per_s'] / r['raw_pyarrow_tokens_per_s']:.2f} | "
-              f"{r['startup_s']:.1f} |")
+              f"{r['startup_s']:.2f} | {r['read_amplification']:.3f} | {r['bytes_fetched_per_split_byte']:.3f} |")
     print(json.dumps(results, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))

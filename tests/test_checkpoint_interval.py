@@ -55,12 +55,12 @@ def test_agreement_flags_are_reduced_where_the_backend_can(monkeypatch):
         t[3] = 1  # another rank asked for a checkpoint (the flags ride on the loss all-reduce)
 
     monkeypatch.setattr(dist, "all_reduce", all_reduce)
-    notice = PreemptionNotice(0, 2, 60.0, enabled=False, carry_checkpoint=True, device=torch.device("meta"))
+    notice = PreemptionNotice(0, 2, enabled=False, carry_checkpoint=True, device=torch.device("meta"))
     with pytest.raises(NotImplementedError):  # a meta tensor has no values to read back; its device is the point
         notice.agree(torch.zeros((), device="meta"), 2)
     assert seen == [torch.device("meta")]
     seen.clear()
-    notice = PreemptionNotice(0, 2, 60.0, enabled=False, carry_checkpoint=True)
+    notice = PreemptionNotice(0, 2, enabled=False, carry_checkpoint=True)
     assert notice.agree(torch.tensor(3.0), 2) == 1.5  # the loss's mean over the 2 ranks
     assert notice.checkpoint_agreed and notice.take() is None and seen == [torch.device("cpu")]
 

@@ -82,3 +82,14 @@ def test_config_reference_doc_is_current():
 
     doc = Path(__file__).parent.parent / "docs" / "CONFIG.md"
     assert doc.read_text() == reference_markdown() + "\n", "regenerate: raytrain config --reference > docs/CONFIG.md"
+
+
+def test_retired_key_in_a_file_loads_with_a_warning_but_not_as_an_override(tmp_path, capsys):
+    recipe = tmp_path / "old.yaml"
+    recipe.write_text("data:\n  shuffle_window: 4096\ncheckpoint:\n  preemption_check_s: 2.0\n")
+    cfg = load_config(str(recipe))
+    assert "shuffle_window" not in cfg.to_dict()["data"]
+    err = capsys.readouterr().err
+    assert "'data.shuffle_window' is no longer used" in err and "'checkpoint.preemption_check_s'" in err
+    with pytest.raises(UserError, match="'data.prefetch_batches' is no longer used: .*leave it out"):
+        load_config("tiny", ["data.prefetch_batches=4"])

@@ -4,17 +4,25 @@ import json
 import shutil
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 
 from raytrain import storage
 from raytrain.data.manifest import load_split
 from raytrain.data.plan import SamplePlan
 from raytrain.data.shards import write_shard
-from raytrain.data.reader import PlannedReader
-from raytrain.data.stream import read_pyarrow
+from raytrain.data.reader import PlannedReader, read_rows
 from raytrain.errors import UserError
 
 GB = 16  # sequences per global batch
+
+
+def read_pyarrow(uris: list[str], width: int):
+    """The truth, read apart from the reader under test: each Parquet shard whole, in order."""
+    for i, uri in enumerate(uris):
+        fs, path = storage.resolve(uri)
+        col = pq.read_table(path, filesystem=fs, columns=["tokens"])["tokens"].combine_chunks()
+        yield i, col.flatten().to_numpy().astype(np.int64).reshape(-1, width)
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +108,21 @@ def test_each_rank_reads_only_its_units_once_and_batches_do_not_depend_on_n(fmt,
         epoch0 = [(u, r) for r, reader in enumerate(readers) for e, u in reader.units_opened if e == 0]
         rows_read = sum(plan.units[u].rows for u, _ in epoch0)
         assert rows_read / plan.trained_per_epoch <= 1.25, (n, rows_read, plan.trained_per_epoch)
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "webdataset"])
+def test_validation_share_reads_only_the_shards_holding_it(many_units, fmt):
+    """Each of N ranks reads its contiguous 1/N of the validation rows: only the shards that hold them."""
+    split = load_split(many_units + "/train", fmt=fmt)
+    truth, sizes = _truth(split), _shard_bytes(split)
+    ends = np.cumsum(split.shard_rows)
+    n, share = 4, 40
+    for r in range(n):
+        counter = storage.ReadCounter()
+        lo, hi = r * share, (r + 1) * share
+        np.testing.assert_array_equal(read_rows(split, lo, hi, counter=counter), truth[lo:hi])
+        first, last = int(np.searchsorted(ends, lo, side="right")), int(np.searchsorted(ends, hi - 1, side="right"))
+        assert counter.bytes == sum(sizes[first:last + 1]), (r, counter.bytes)
 
 
 def _damage(src, dst, name):

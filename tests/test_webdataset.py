@@ -13,7 +13,8 @@ from raytrain import storage
 from raytrain.data import prepare as prep
 from raytrain.data.manifest import load_split
 from raytrain.data.prepare import PrepareConfig, prepare
-from raytrain.data.stream import SampleStream
+from raytrain.data.plan import SamplePlan
+from raytrain.data.reader import PlannedReader, read_rows
 from raytrain.errors import UserError
 
 QUIET = {"log": lambda *_: None}
@@ -54,8 +55,17 @@ def test_manifest_lists_every_shard_per_format_and_stock_readers_agree(both):
     assert sum(s["rows"] for s in tar_shards) == m["num_samples"]
 
 
+def _planned(split, gb: int, start: int, end: int, **kw) -> tuple[np.ndarray, PlannedReader]:
+    plan = SamplePlan.for_split(split, seed=4, global_batch=gb)
+    reader = PlannedReader(split, plan, (0, gb), start, end_step=end, **kw)
+    try:
+        return np.concatenate([reader.take(t)[0] for t in range(start, end)]), reader
+    finally:
+        reader.close()
+
+
 @pytest.mark.parametrize("where", ["local", "s3"])
-def test_both_formats_stream_identical_token_sequences(both, where, s3_server, ray_cluster):
+def test_both_formats_stream_identical_token_sequences(both, where, s3_server):
     base = str(both)
     if where == "s3":
         base = "s3://raytrain-test/wds-roundtrip"
@@ -64,12 +74,14 @@ def test_both_formats_stream_identical_token_sequences(both, where, s3_server, r
                 storage.upload_file(str(p), storage.join(base, str(p.relative_to(both))))
     parquet = load_split(f"{base}/train", checksums=True)
     tar = load_split(f"{base}/train", checksums=True, fmt="webdataset")
-    n = 2 * parquet.num_samples + 7  # across an epoch boundary
-    want = SampleStream(parquet, seed=4, window=50, reader="pyarrow").take(n)
-    np.testing.assert_array_equal(SampleStream(tar, seed=4, window=50, reader="pyarrow").take(n), want)
-    # Ray Data's read_webdataset, as a training worker streams it; and resuming mid-stream.
-    got = SampleStream(tar, seed=4, window=50, reader="ray", position=40, background=True).take(n - 40)
-    np.testing.assert_array_equal(got, want[40:])
+    np.testing.assert_array_equal(read_rows(tar, 0, tar.num_samples), read_rows(parquet, 0, parquet.num_samples))
+    gb = 16
+    steps = 2 * (parquet.num_samples // gb) + 1  # across an epoch boundary
+    want, _ = _planned(parquet, gb, 0, steps)
+    got, _ = _planned(tar, gb, 0, steps)
+    np.testing.assert_array_equal(got, want)
+    resumed, _ = _planned(tar, gb, 5, steps)  # resuming mid-epoch reads the same rows from there
+    np.testing.assert_array_equal(resumed, want[5 * gb:])
 
 
 def test_format_not_prepared_is_named(tiny_data):
@@ -114,28 +126,33 @@ def _damage_after_check(d, name, cut):
     (d / "train" / "manifest.json").write_text(json.dumps(m))
 
 
-@pytest.mark.parametrize("name, cut, reader", [
-    ("shard-00001.tar", 20_000, "pyarrow"),       # truncated mid-member
-    ("shard-00001.tar", 20_000, "ray"),
-    ("shard-00001.tar", 1024 * 10, "pyarrow"),    # truncated on a member boundary: too few rows
-    ("shard-00001.parquet", 300, "ray"),          # corrupt Parquet
+@pytest.mark.parametrize("name, cut", [
+    ("shard-00001.tar", 20_000),       # truncated mid-member
+    ("shard-00001.tar", 1024 * 10),    # truncated on a member boundary: too few rows
+    ("shard-00001.parquet", 300),      # corrupt Parquet
 ])
-def test_bad_shard_in_training_is_named_or_skipped_and_counted(both, tmp_path, name, cut, reader, ray_cluster):
+def test_bad_shard_is_named_or_skipped_and_counted(both, tmp_path, name, cut):
     d = tmp_path / "ds"
     shutil.copytree(both, d)
     fmt = "webdataset" if name.endswith(".tar") else "parquet"
     good = load_split(str(both / "train"), fmt=fmt)
     _damage_after_check(d, name, cut)
     split = load_split(str(d / "train"), fmt=fmt)
+    uri = str(d / "train" / name)
+    # Split order (validation, eval): named, or left out.
     with pytest.raises(UserError, match=f"shard .*{name} cannot be used.*on_bad_shard=skip"):
-        SampleStream(split, seed=0, shuffle=False, reader=reader).take(split.num_samples)
-    s = SampleStream(split, seed=0, shuffle=False, reader=reader, on_bad_shard="skip")
-    got = s.take(split.num_samples - 64)  # exactly one shard's rows fewer per epoch
-    assert s.skipped == [str(d / "train" / name)]
-    want = SampleStream(good, seed=0, shuffle=False, reader="pyarrow").take(good.num_samples)
-    np.testing.assert_array_equal(got, np.concatenate([want[:64], want[128:]]))
-    s.take(split.num_samples)  # next epoch: skipped again without re-reading, counted once
-    assert len(s.skipped) == 1
+        read_rows(split, 0, split.num_samples)
+    skipped = []
+    got = read_rows(split, 0, split.num_samples, "skip", skipped=skipped)
+    want = read_rows(good, 0, good.num_samples)
+    np.testing.assert_array_equal(got, np.concatenate([want[:64], want[128:]]))  # exactly its 64 rows fewer
+    assert skipped == [uri]
+    # Plan order (training): named, or its places filled from the next readable unit, and counted once.
+    steps = 2 * (split.num_samples // 16)
+    with pytest.raises(UserError, match=f"shard .*{name} cannot be used.*on_bad_shard=skip"):
+        _planned(split, 16, 0, steps)
+    rows, reader = _planned(split, 16, 0, steps, on_bad_shard="skip")  # two epochs
+    assert len(rows) == steps * 16 and reader.skipped == [uri]
 
 
 def test_killed_prepare_resumes_and_skips_verified_shards(corpus_dir, tmp_path, monkeypatch):
@@ -206,6 +223,6 @@ def test_prepare_straight_to_s3_and_rerun_skips_written_shards(corpus_dir, s3_se
     train = load_split(f"{out}/train", checksums=True, fmt="webdataset")
     assert any(f"{2 * len(train.shard_uris)} shard file(s) already written and verified, 0 written" in x for x in lines)
     assert fs.get_file_info(path).mtime == before
-    rows = SampleStream(train, seed=0, shuffle=False, reader="pyarrow").take(train.num_samples)
-    parquet = SampleStream(load_split(f"{out}/train"), seed=0, shuffle=False, reader="pyarrow").take(train.num_samples)
+    rows = read_rows(train, 0, train.num_samples)
+    parquet = read_rows(load_split(f"{out}/train"), 0, train.num_samples)
     np.testing.assert_array_equal(rows, parquet)

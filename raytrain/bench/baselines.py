@@ -24,10 +24,10 @@ def _free_port() -> int:
 
 def _rows(split_dict: dict) -> np.ndarray:
     from raytrain.data.manifest import Split
-    from raytrain.data.stream import read_pyarrow
+    from raytrain.data.reader import read_rows
 
     split = Split.from_dict(split_dict)
-    return np.concatenate([r for _, r in read_pyarrow(split.shard_uris, split.seq_len + 1)])
+    return read_rows(split, 0, split.num_samples)
 
 
 def _worker(rank: int, world: int, port: int, cfg_dict: dict, split_dict: dict, out: str, use_deepspeed: bool) -> None:

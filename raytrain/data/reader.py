@@ -7,8 +7,12 @@ paths and s3:// both work and every byte fetched is counted. A unit stays in the
 its last use by this rank, then goes: the cache holds about one unit per lane plus the read-ahead.
 
 Why pyarrow here and not Ray Data: a rank reads a handful of whole units, in an order the plan fixes; Ray
-Data's per-epoch pipeline start-up (3-27 s measured on 2 cores, see stream.py) and its completion-order
-output buy nothing for that, and each unit is one sequential read that pyarrow decodes in C++.
+Data's per-epoch pipeline start-up (3-27 s measured on 2 cores with the reader this one replaced, see
+docs/BENCHMARKS.md) and its completion-order output buy nothing for that, and each unit is one sequential
+read that pyarrow decodes in C++.
+
+`read_rows` is the same unit reader for tools that want rows in the split's own order (validation, `raytrain
+eval`, the serving check): it opens only the units that hold the rows asked for.
 """
 
 from __future__ import annotations
@@ -23,12 +27,21 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Optional
 
 import numpy as np
+import pyarrow as pa
 
 from raytrain import storage
 from raytrain.data.manifest import Split
-from raytrain.data.plan import SamplePlan, StepPlan
-from raytrain.data.stream import _first_line, _tokens_to_numpy
-from raytrain.errors import UserError
+from raytrain.data.plan import SamplePlan, StepPlan, units_of
+from raytrain.errors import UserError, first_line
+
+
+def _tokens_to_numpy(col, width: int) -> np.ndarray:
+    if isinstance(col, pa.ChunkedArray):
+        col = col.combine_chunks()
+    if isinstance(col, (pa.FixedSizeListArray, pa.ListArray, pa.LargeListArray)):
+        return col.flatten().to_numpy(zero_copy_only=False).astype(np.int64, copy=False).reshape(-1, width)
+    arr = col.to_numpy(zero_copy_only=False)  # Ray's tensor extension type or object arrays
+    return np.stack(list(arr)).astype(np.int64, copy=False) if arr.dtype == object else arr.astype(np.int64, copy=False)
 
 
 class BadUnit(Exception):
@@ -72,7 +85,37 @@ def read_unit(split: Split, unit, counter: Optional[storage.ReadCounter] = None)
     except BadUnit:
         raise
     except Exception as e:  # noqa: BLE001 - any read or decode failure marks the shard
-        raise BadUnit(uri, _first_line(e)) from None
+        raise BadUnit(uri, first_line(e)) from None
+
+
+def bad_shard_error(e: BadUnit) -> UserError:
+    return UserError(f"training data: shard {e.uri} cannot be used ({e.reason}); restore it or prepare the "
+                     f"dataset again, or set data.on_bad_shard=skip to train without it")
+
+
+def read_rows(split: Split, start: int, stop: int, on_bad_shard: str = "error",
+              counter: Optional[storage.ReadCounter] = None, skipped: Optional[list] = None) -> np.ndarray:
+    """Rows [start, stop) of the split in its own order (shard after shard), [n, seq_len + 1] int64, reading
+    only the shards that hold them. With on_bad_shard=skip an unreadable shard's rows are left out (so fewer
+    rows come back) and its URI is appended to `skipped`."""
+    out, at = [], 0
+    for unit in units_of(split.shard_rows):
+        lo, hi = max(start, at), min(stop, at + unit.rows)
+        if lo < hi:
+            try:
+                rows = read_unit(split, unit, counter)
+            except BadUnit as e:
+                if on_bad_shard != "skip":
+                    raise bad_shard_error(e) from None
+                logging.getLogger("raytrain").warning("skipping unreadable shard %s (%s)", e.uri, e.reason)
+                if skipped is not None:
+                    skipped.append(e.uri)
+            else:
+                out.append(rows[lo - at:hi - at])
+        at += unit.rows
+        if at >= stop:
+            break
+    return np.concatenate(out) if out else np.zeros((0, split.seq_len + 1), np.int64)
 
 
 class PlannedReader:
@@ -160,8 +203,7 @@ class PlannedReader:
             rows = read_unit(self.split, unit, self.counter)
         except BadUnit as e:
             if self.on_bad_shard != "skip":
-                raise UserError(f"training data: shard {e.uri} cannot be used ({e.reason}); restore it or prepare the "
-                                f"dataset again, or set data.on_bad_shard=skip to train without it") from None
+                raise bad_shard_error(e) from None
             return self._substitute(epoch, u, e)
         with self._lock:
             self.rows_read += len(rows)

@@ -67,10 +67,10 @@ def held_out_texts(data: Optional[str], tokenizer, context: int, k: int) -> tupl
     there is no split to read. Returns (texts, where they came from)."""
     if data:
         from raytrain.data.manifest import load_split
-        from raytrain.data.stream import SampleStream
+        from raytrain.data.reader import read_rows
 
         split = load_split(data, "--data")
-        rows = SampleStream(split, seed=0, shuffle=False, reader="pyarrow").take(min(k, split.num_samples))
+        rows = read_rows(split, 0, min(k, split.num_samples))
         texts, origin = [tokenizer.decode(list(r)) for r in rows], split.uri
     else:
         texts, origin = FALLBACK_TEXTS[:k], "built-in sentences (no held-out split known: pass --data)"

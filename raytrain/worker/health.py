@@ -188,7 +188,9 @@ class Throughput:
         if not isinstance(t, (int, float)) or steps_since_start <= self.grace or t >= self.min:
             return None
         wait = rec.get("data_wait_frac")
-        hint = (f"data wait is {wait:.0%} of step time: raise scaling.data_cpus / data.prefetch_batches"
+        hint = (f"data wait is {wait:.0%} of step time: the reader cannot keep up; check the storage's throughput "
+                "(data_bytes_fetched_* in metrics), give workers more CPUs (scaling.cpus_per_worker) or store the data "
+                "nearer the nodes"
                 if isinstance(wait, (int, float)) and wait > 0.2 else
                 "raise batch.micro_batch_size if memory allows, use bf16, check model.attn_implementation=sdpa")
         return Violation(self.name, "warn", f"achieved {t:.3g} TFLOP/s per worker < {self.min:g} at step {rec['step']}",

@@ -130,9 +130,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
     data = DataPlane(train_split, cfg.run.seed, cfg.data.shuffle, cfg.global_batch, dp_rank, dp_size, state.samples_seen,
                      cfg.run.max_steps - state.step, cfg.data.stall_timeout_s, cfg.data.on_bad_shard, device)
 
-    # Validation is small and read once, so a direct read beats starting a Ray Data pipeline for it.
     evaluate = Evaluator(val_split, cfg.data.eval_samples, cfg.batch.micro_batch_size, dp_rank, dp_size, device,
-                         "pyarrow") if val_split else None
+                         cfg.data.on_bad_shard) if val_split else None
     log = RunLog(cfg.run_uri, cfg.run.max_steps, state.step, enabled=rank == 0,
                  progress_every=progress_every(cfg.run.progress_every, cfg.run.log_every, cfg.run.max_steps))
     # The checkpoint this attempt resumed from is never pruned while it runs.
@@ -141,8 +140,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     interval = CheckpointInterval(cfg.checkpoint.every_n_steps, cfg.checkpoint.mtbf_s, cfg.checkpoint.auto_initial_cost_s,
                                   *history)
     interval.seed([r["ckpt_stall_s"] for r in log.history if isinstance(r.get("ckpt_stall_s"), (int, float))])
-    notice = PreemptionNotice(rank, world, cfg.checkpoint.preemption_check_s, cfg.checkpoint.on_preemption,
-                              carry_checkpoint=interval.auto, device=device)
+    notice = PreemptionNotice(rank, world, cfg.checkpoint.on_preemption, carry_checkpoint=interval.auto, device=device)
     acc, gb = cfg.accumulation, cfg.global_batch
     tel = Telemetry(cfg, rank, world, cuda, flops_per_token(n_active, cfg.model), log=say)  # metrics, timers, health
     comm = _comm_watch(cfg, rank, world, cuda, tel)  # names the collective a rank waits in

@@ -22,9 +22,9 @@ from raytrain.worker.runlog import say
 
 
 class PreemptionNotice:
-    def __init__(self, rank: int, world: int, check_s: float, enabled: bool = True, carry_checkpoint: bool = False,
+    def __init__(self, rank: int, world: int, enabled: bool = True, carry_checkpoint: bool = False,
                  device: torch.device | str = "cpu"):
-        self.rank, self.world, self.check_s, self.enabled = rank, world, check_s, enabled
+        self.rank, self.world, self.enabled = rank, world, enabled
         self.device = torch.device(device)  # where the flags are reduced: NCCL reduces device tensors only
         # checkpoint.every_n_steps=auto: rank 0's "checkpoint now" rides on the same all-reduce.
         self.carry_checkpoint = carry_checkpoint
