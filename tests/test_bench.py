@@ -10,6 +10,7 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -65,7 +66,7 @@ def test_ingest_part_reads_the_same_samples_as_raw(tiny_data):
     steps = 2 * plan.steps_per_epoch
     assert reader_fig["samples"] == steps * 64
     # What it timed is the plan's order: the same rows as a raw read indexed by the plan's sample ids.
-    rows = read_rows(split, 0, split.num_samples)
+    rows = read_rows(split, 0, split.num_samples).astype(np.int32)  # the reader hands out int32 token ids
     want = hashlib.sha256()
     for t in range(1, steps):
         want.update(rows[plan.step(t).ids].tobytes())

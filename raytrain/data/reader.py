@@ -35,13 +35,13 @@ from raytrain.data.plan import SamplePlan, StepPlan, units_of
 from raytrain.errors import UserError, first_line
 
 
-def _tokens_to_numpy(col, width: int) -> np.ndarray:
+def _tokens_to_numpy(col, width: int, dtype=np.int64) -> np.ndarray:
     if isinstance(col, pa.ChunkedArray):
         col = col.combine_chunks()
     if isinstance(col, (pa.FixedSizeListArray, pa.ListArray, pa.LargeListArray)):
-        return col.flatten().to_numpy(zero_copy_only=False).astype(np.int64, copy=False).reshape(-1, width)
+        return col.flatten().to_numpy(zero_copy_only=False).astype(dtype, copy=False).reshape(-1, width)
     arr = col.to_numpy(zero_copy_only=False)  # Ray's tensor extension type or object arrays
-    return np.stack(list(arr)).astype(np.int64, copy=False) if arr.dtype == object else arr.astype(np.int64, copy=False)
+    return np.stack(list(arr)).astype(dtype, copy=False) if arr.dtype == object else arr.astype(dtype, copy=False)
 
 
 class BadUnit(Exception):
@@ -50,8 +50,8 @@ class BadUnit(Exception):
         self.uri, self.reason = uri, reason
 
 
-def read_unit(split: Split, unit, counter: Optional[storage.ReadCounter] = None) -> np.ndarray:
-    """The rows of one unit, [rows, seq_len + 1] int64. A unit that cannot be read whole is a BadUnit."""
+def read_unit(split: Split, unit, counter: Optional[storage.ReadCounter] = None, dtype=np.int64) -> np.ndarray:
+    """The rows of one unit, [rows, seq_len + 1] of `dtype`. A unit that cannot be read whole is a BadUnit."""
     uri = split.shard_uris[unit.shard]
     width = split.seq_len + 1
     expected = split.shard_rows[unit.shard]
@@ -70,7 +70,8 @@ def read_unit(split: Split, unit, counter: Optional[storage.ReadCounter] = None)
                 ends = np.cumsum(sizes)
                 g0 = int(np.searchsorted(ends, unit.start, side="right"))
                 g1 = int(np.searchsorted(ends, unit.start + unit.rows - 1, side="right"))
-                rows = _tokens_to_numpy(pf.read_row_groups(list(range(g0, g1 + 1)), columns=["tokens"])["tokens"], width)
+                rows = _tokens_to_numpy(pf.read_row_groups(list(range(g0, g1 + 1)), columns=["tokens"])["tokens"], width,
+                                        dtype)
                 skip = unit.start - int(ends[g0] - sizes[g0])
                 return rows[skip:skip + unit.rows]
             from raytrain.data.webdataset_io import iter_tar_rows
@@ -78,7 +79,7 @@ def read_unit(split: Split, unit, counter: Optional[storage.ReadCounter] = None)
             # Buffered: tarfile reads 512-byte blocks, and unbuffered each would be a request on S3.
             stream = src if src is not f else io.BufferedReader(f, buffer_size=4 << 20)
             chunks = list(iter_tar_rows(stream, width))
-            rows = np.concatenate(chunks) if chunks else np.zeros((0, width), np.int64)
+            rows = np.concatenate(chunks).astype(dtype, copy=False) if chunks else np.zeros((0, width), dtype)
             if len(rows) != expected:
                 raise BadUnit(uri, f"read {len(rows)} rows, its manifest entry says {expected}; truncated?")
             return rows[unit.start:unit.start + unit.rows]
@@ -200,14 +201,15 @@ class PlannedReader:
         unit = self.plan.units[u]
         self.units_opened.append((epoch, u))
         try:
-            rows = read_unit(self.split, unit, self.counter)
+            # Token ids as int32: half the cache of int64, decoded once (no second copy).
+            rows = read_unit(self.split, unit, self.counter, np.int32)
         except BadUnit as e:
             if self.on_bad_shard != "skip":
                 raise bad_shard_error(e) from None
             return self._substitute(epoch, u, e)
         with self._lock:
             self.rows_read += len(rows)
-        return rows.astype(np.int32, copy=False)  # token ids: half the cache of int64
+        return rows
 
     def _substitute(self, epoch: int, u: int, e: BadUnit) -> np.ndarray:
         """A skipped unit's places are filled from the next readable unit in the epoch's order: a function of
@@ -220,7 +222,7 @@ class PlannedReader:
         for k in range(1, len(order)):
             cand = int(order[(j + k) % len(order)])
             try:
-                rows = read_unit(self.split, self.plan.units[cand], self.counter)
+                rows = read_unit(self.split, self.plan.units[cand], self.counter, np.int32)
             except BadUnit as e2:
                 if e2.uri not in self.skipped:
                     self.skipped.append(e2.uri)
@@ -228,7 +230,7 @@ class PlannedReader:
             with self._lock:
                 self.rows_read += len(rows)
             reps = -(-self.plan.units[u].rows // len(rows))
-            return np.concatenate([rows] * reps)[:self.plan.units[u].rows].astype(np.int32, copy=False)
+            return np.concatenate([rows] * reps)[:self.plan.units[u].rows]
         raise UserError(f"training data: no shard of {self.split.uri} can be read; restore the data or prepare it again")
 
     # ------------------------------------------------------------------ assembler (background thread)
@@ -247,7 +249,7 @@ class PlannedReader:
             with self._cv:
                 self._assembling = s + count  # units this block needs are not "ahead"
                 self._cv.notify_all()
-            out = np.empty(units.shape + (width,), np.int64)
+            out = np.empty(units.shape + (width,), np.int32)  # widened to int64 on the device (half the copy)
             flat_units, flat_rows, flat_out = units.ravel(), rows.ravel(), out.reshape(-1, width)
             order = np.argsort(flat_units, kind="stable")  # group the block's samples by unit
             cuts = np.flatnonzero(np.diff(flat_units[order])) + 1

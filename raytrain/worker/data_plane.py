@@ -39,7 +39,7 @@ class DataPlane:
         return self.reader.skipped
 
     def take(self) -> np.ndarray:
-        """This rank's rows of the next global batch: [global_batch / data-parallel size, seq_len + 1]."""
+        """This rank's rows of the next global batch: [global_batch / data-parallel size, seq_len + 1] int32."""
         rows, self._step = self.reader.take(self.position // self.global_batch)
         self.position += self.global_batch
         return rows
