@@ -68,9 +68,6 @@ def _spot_nodes(dash: int) -> dict[str, str]:
     return {n["node_id"]: n["state"] for n in rows if (n.get("resources_total") or {}).get("spot")}
 
 
-@pytest.mark.xfail(strict=False, reason="issue 18 open: after this session's merges `raytrain cost` counted 59 lost steps "
-                   "from the heartbeat for a reclaim at step 12 (resumed at 10); the reclaim, scale-up and resume "
-                   "themselves pass. Under investigation; see the session note.")
 def test_spot_job_scales_from_zero_survives_a_reclaim_and_finishes(fake_cluster, tiny_data, tmp_path):
     port, dash, env = fake_cluster
     assert _spot_nodes(dash) == {}, "the cluster must start with no spot nodes"
