@@ -162,14 +162,16 @@ def _lost_steps(resumed: int, lost_s: float, t_fail: float, beat: Optional[dict]
     """Steps trained past the resumed checkpoint and thrown away.
 
     From the failed attempt's heartbeat when it left one: the step it reached, plus the whole steps it
-    could have done unrecorded (a new step is written within `every_s`), unless it had not moved for
-    `every_s` and three steps' time (stuck, or waiting on a dead peer: that time was not spent on
-    steps). Else lost time at the median step rate, which overstates steps when the attempt was slow or
-    stuck before it failed.
+    could have done unrecorded (a new step is written within `every_s`), unless the beat says the loop
+    had stopped (stuck, saving, or waiting on a dead peer: that time was not spent on steps). Heartbeats
+    say so themselves (`stalled`, written as soon as the loop stops); older ones are judged by their age
+    alone, which misses a stop that began less than `every_s` before the last write. Else lost time at
+    the median step rate, which overstates steps when the attempt was slow or stuck before it failed.
     """
     if beat:
         every = float(beat.get("every_s", 2.0))
-        stuck = beat["time"] - beat.get("step_time", beat["time"]) > max(every, 3 * (step_s or 0))
+        stuck = bool(beat["stalled"]) if "stalled" in beat else \
+            beat["time"] - beat.get("step_time", beat["time"]) > max(every, 3 * (step_s or 0))
         unseen = 0 if (stuck or not step_s) else int(min(max(0.0, t_fail - beat["time"]), every) / step_s)
         seen = max(0, beat["step"] - resumed)
         # Never more than the lost time allows at the run's pace.

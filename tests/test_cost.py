@@ -103,6 +103,14 @@ def test_lost_steps_from_the_failed_attempts_heartbeat(run_dir, capsys):
     (r,) = json.loads(capsys.readouterr().out)["restarts"]
     assert r["lost_steps"] == 12 and r["lost_s"] == 594.0  # failed within a beat (2 s) of its last one
 
+    # Stopped at step 3012 a second before its last beat (the spot drill: hung, then reclaimed): the beat
+    # says so, and the 2 s after it were not 2 steps of work. Judged by its age alone it would look moving.
+    stop = {"attempt": 0, "step": 3012, "step_time": T0 + h + 0.5, "time": T0 + h + 1.5}
+    for stalled, lost in ((True, 12), (False, 12 + 2)):
+        _with_heartbeat(run_dir, {**stop, "stalled": stalled})
+        assert main(["cost", str(run_dir), "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["restarts"][0]["lost_steps"] == lost, stalled
+
     # A beat older than the failed attempt (it died before its first beat) is not taken for its progress.
     _with_heartbeat(run_dir, {"attempt": 0, "step": 3500, "step_time": T0 - 100, "time": T0 - 99})
     assert main(["cost", str(run_dir)]) == 0
@@ -131,6 +139,28 @@ def test_heartbeat_is_read_back_by_the_next_attempt(tmp_path):
     (tmp_path / "run" / "progress.json").write_text('{"step": 1')  # torn by a crash
     assert Heartbeat(run, enabled=True).previous is None
     assert Heartbeat(run, enabled=False).previous is None
+
+
+def test_heartbeat_says_a_stop_at_once_not_a_write_interval_later(tmp_path, monkeypatch):
+    # The spot drill on object storage (one write per 2 s while moving): fast steps, then the loop hangs
+    # and is killed within the write interval. Its last beat must say it had stopped, or `raytrain cost`
+    # credits it with 2 s of steps it never did (47 at 0.04 s/step in the drill).
+    from raytrain import storage
+    from raytrain.worker.runlog import Heartbeat
+
+    writes = []
+    write_text = storage.write_text
+    monkeypatch.setattr(storage, "write_text", lambda uri, text: (writes.append(text), write_text(uri, text)))
+    beat = Heartbeat(str(tmp_path / "run"), enabled=True, interval_s=2.0).start(attempt=0, step=0)
+    for step in range(1, 31):
+        time.sleep(0.02)
+        beat.beat(step)
+    t_stop = time.time()
+    time.sleep(0.5)  # no close(): a killed attempt leaves only what its thread wrote
+    last = json.loads((tmp_path / "run" / "progress.json").read_text())
+    assert last["step"] == 30 and last["stalled"] is True and last["time"] - t_stop < 0.4, last
+    assert len(writes) == 2, writes  # the start and the stop: moving, no more than one write per 2 s
+    beat.close()
 
 
 def test_heartbeat_storage_trouble_is_said_once(tmp_path, monkeypatch):

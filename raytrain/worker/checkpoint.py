@@ -251,15 +251,19 @@ def _local_root(local_dir: Optional[str]) -> str:
 
 
 def _node_id() -> str:
-    """This worker's node, as Ray Train numbers them (its runtime context's node id can read as nil there)."""
+    """This worker's Ray node: its full id. Not Ray Train's node rank, which numbers nodes by IP address (all
+    nodes of a simulated cluster share 127.0.0.1), nor a prefix of the id (fake nodes' ids share a long one)."""
     try:
-        import ray.train
+        import ray
 
-        return f"node{ray.train.get_context().get_node_rank()}"
-    except Exception:  # noqa: BLE001 - outside Ray Train: one process, one node
-        import socket
+        node = ray.get_runtime_context().get_node_id()
+        if node:
+            return node
+    except Exception:  # noqa: BLE001 - outside Ray: one process, one node
+        pass
+    import socket
 
-        return socket.gethostname()
+    return socket.gethostname()
 
 
 def _alive(pid: int) -> bool:
@@ -469,7 +473,7 @@ def find_resume_point(run_uri: str, rank: int, deep: bool = True, local_dir: Opt
             total = sum(f["size"] for f in files.values())
             if ok and remote:
                 say(f"restore {uri.rsplit('/', 1)[-1]}: downloaded per node " + ", ".join(
-                    f"{n} {b / 2**20:,.1f} MiB" for n, b in sorted(nodes.items())) + f" of {total / 2**20:,.1f} MiB")
+                    f"node ..{n[-8:]} {b / 2**20:,.1f} MiB" for n, b in sorted(nodes.items())) + f" of {total / 2**20:,.1f} MiB")
             elif not ok:
                 which = "; ".join(f"rank {r['rank']}: {r['bad'][0]}" for r in recs if r["bad"])
                 say(f"warning: skipping checkpoint {uri}: {which} failed verification; trying the previous one")

@@ -28,6 +28,9 @@ PROGRESS = "progress.json"  # rank 0's heartbeat: the step reached, when, and wh
 # follow the loop closely. While the loop does not move, the time alone is refreshed every REFRESH_S.
 HEARTBEAT_S = {"remote": 2.0, "local": 0.02}
 REFRESH_S = 1.0
+# The loop has stopped when it has made no step for STALL_STEPS times the median of its last STALL_WINDOW
+# step gaps (at least STALL_MIN_S): the heartbeat then says so at once, outside the write interval.
+STALL_STEPS, STALL_WINDOW, STALL_MIN_S = 3, 8, 0.05
 
 
 def say(msg: str) -> None:
@@ -152,13 +155,15 @@ class RunLog:
 
 
 class Heartbeat:
-    """Rank 0 keeps `{step, step_time, time, every_s, refresh_s}` in the run's progress.json.
+    """Rank 0 keeps `{step, step_time, time, stalled, ...}` in the run's progress.json.
 
     After a crash the next attempt reads it (`previous`) to say how far the failed attempt got: its
     metrics.jsonl lines past the resumed checkpoint are dropped, and on object storage they lag anyway
     (copied at checkpoints). A thread, not the loop, writes it: after each new step (at most once per
-    `every_s`), and while the loop does not move, every `refresh_s` with a fresh `time` - so a stalled
-    attempt shows as the same step seen alive later, not as steps that never happened.
+    `every_s`); as soon as the loop stops (no step for STALL_STEPS of its recent step times) with
+    `stalled: true`; and while it stays stopped, every `refresh_s` with a fresh `time`. A beat that
+    says moving means the loop may have done up to `every_s` of steps unrecorded before it failed; one
+    that says stalled means it did none.
     """
 
     def __init__(self, run_uri: str, enabled: bool, interval_s: Optional[float] = None,
@@ -171,6 +176,9 @@ class Heartbeat:
         self.previous: Optional[dict] = None
         self._step: Optional[int] = None
         self._step_time = 0.0
+        self._step_gaps: list[float] = []  # seconds between the loop's recent consecutive steps
+        self._written: Optional[tuple[int, bool]] = None  # (step, stalled) of the last write
+        self._written_at = 0.0
         self._attempt = 0
         self._warned = False
         self._stop = threading.Event()
@@ -193,7 +201,10 @@ class Heartbeat:
     def beat(self, step: int) -> None:
         """Called by the loop after each step; the thread does the writing."""
         with self._changed:
-            self._step, self._step_time = step, time.time()
+            now = time.time()
+            if self._step is not None and step == self._step + 1:
+                self._step_gaps = (self._step_gaps + [now - self._step_time])[-STALL_WINDOW:]
+            self._step, self._step_time = step, now
             self._changed.notify()
 
     def close(self) -> None:
@@ -204,29 +215,57 @@ class Heartbeat:
             self._thread.join(timeout=30)
             self._write()
 
+    def stall_s(self) -> float:
+        """No new step for this long: the loop has stopped (a hang, a wait on a peer, a save). The median of
+        recent step gaps, so that one slow step (a checkpoint, a validation) does not move it; before the
+        loop has a pace, `every_s`."""
+        if not self._step_gaps:
+            return self.interval_s
+        return max(STALL_STEPS * sorted(self._step_gaps)[len(self._step_gaps) // 2], STALL_MIN_S)
+
+    def _due(self, now: float) -> float:
+        """Seconds until the next write (<= 0: now). Call with the lock held."""
+        if self._written is None:
+            return 0.0
+        step, stalled = self._written
+        stopped_at = self._step_time + self.stall_s()
+        if self._step != step:
+            # The newest step, rate-limited; but a stop at that step is said when it happens, not a
+            # write interval later.
+            return min(self._written_at + self.interval_s, stopped_at) - now
+        if not stalled:
+            # Said at once: a failure in the next `every_s` would otherwise read as `every_s` of lost steps.
+            return stopped_at - now
+        return self._written_at + self.refresh_s - now
+
     def _write(self) -> None:
         with self._changed:
-            step, step_time = self._step, self._step_time
+            step, step_time, now = self._step, self._step_time, time.time()
+            stall_s = self.stall_s()
         if step is None:
             return
+        stalled = now - step_time >= 0.999 * stall_s
         try:
             storage.write_text(self.uri, json.dumps({"attempt": self._attempt, "step": step,
-                                                     "step_time": round(step_time, 3),
-                                                     "time": round(time.time(), 3), "every_s": self.interval_s,
-                                                     "refresh_s": self.refresh_s}))
+                                                     "step_time": round(step_time, 3), "time": round(now, 3),
+                                                     "stalled": stalled, "stall_s": round(stall_s, 3),
+                                                     "every_s": self.interval_s, "refresh_s": self.refresh_s}))
         except Exception as e:  # storage trouble: the checkpoint path reports it; this is only bookkeeping
             if not self._warned:
                 self._warned = True
                 say(f"warning: could not write {self.uri} (lost-step accounting only; said once): {e}")
+        with self._changed:
+            self._written, self._written_at = (step, stalled), now
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            written = self._step
-            self._write()
-            if self._stop.wait(self.interval_s):
-                return
             with self._changed:
-                self._changed.wait_for(lambda: self._step != written or self._stop.is_set(), timeout=self.refresh_s)
+                due = self._due(time.time())
+                if due > 0:
+                    # A new step or close() wakes it early to work out the next write again.
+                    self._changed.wait(timeout=due)
+                    continue
+            self._write()
 
 
 def read_summary(run_uri: str) -> Optional[dict]:
