@@ -32,7 +32,6 @@ from raytrain.data.inputs import expand, read_file, use_ray, user_errors_from_ra
 from raytrain.data.report import MAX_LENGTH_SAMPLE
 from raytrain.errors import UserError
 
-PART_BYTES = 8 << 20  # input bytes per output partition: the unit of dedup, packing and tokenizing work
 LOCAL_MAX_BYTES = 32 << 20  # engine=auto: smaller inputs are prepared in this process (Ray start-up costs more)
 TOKENIZER_SAMPLE_CHARS = 200 << 20  # a cap on the tokenizer sample however large its documents
 OBJECT_STORE_BYTES = 1 << 30  # a local Ray instance started by prepare: above this, blocks spill to disk
@@ -116,8 +115,8 @@ class Sources:
             self.uris += uris
             nbytes += _sizes(uris)
         self.bytes = nbytes
-        # A function of the inputs only, never of the cluster: the output depends on it.
-        self.n_parts = max(1, math.ceil(nbytes / PART_BYTES))
+        # A function of the inputs and settings only, never of the cluster: the output depends on it.
+        self.n_parts = max(1, math.ceil(nbytes / (cfg.partition_mb * 2**20)))
 
 
 def _sizes(uris: list[str]) -> int:
