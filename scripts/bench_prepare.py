@@ -5,7 +5,7 @@ For each size (--mb, default 64 and 1024): a corpus from scripts/gen_corpus.py, 
 process per engine (engine=local: this checkout in one process; engine=ray: a fresh local Ray instance, all
 CPUs; --baseline-src DIR also runs another checkout's engine=local, e.g. the pre-pipeline code). Reported: wall
 time, MB/s of input, peak RSS summed over the whole process tree (driver, raylet, GCS, workers; sampled every
-0.5 s), the machine's load average during the run, and from the run's report the exact / near duplicates removed
+0.5 s; and the sum of PSS, which counts shared pages once), the machine's load average during the run, and from the run's report the exact / near duplicates removed
 against those planted. Near-duplicate recall is per planted pair: a pair is found when its two documents share
 an LSH bucket under the pipeline's own signatures and bands (what makes the pipeline drop one of them); the near
 duplicates the run removed beyond the pairs found are counted as unique documents removed (an upper bound).
@@ -35,21 +35,24 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def tree_rss(pid: int) -> int:
+def tree_memory(pid: int) -> tuple[int, int]:
+    """(sum of RSS, sum of PSS) over the process and its descendants. RSS counts the object store's shared pages
+    once per process that touched them; PSS shares them out, so its sum is the tree's real footprint."""
     import psutil
 
     try:
         p = psutil.Process(pid)
         procs = [p, *p.children(recursive=True)]
     except psutil.NoSuchProcess:
-        return 0
-    total = 0
+        return 0, 0
+    rss = pss = 0
     for q in procs:
         try:
-            total += q.memory_info().rss
-        except psutil.NoSuchProcess:
+            m = q.memory_full_info()
+            rss, pss = rss + m.rss, pss + m.pss
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
-    return total
+    return rss, pss
 
 
 def run_prepare(src: Path, corpus: Path, out: Path, engine: str, timeout: float, json_flag: bool = True,
@@ -61,9 +64,10 @@ def run_prepare(src: Path, corpus: Path, out: Path, engine: str, timeout: float,
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=str(src),
                             start_new_session=True)
-    peak, loads = 0, []
+    peak, peak_pss, loads = 0, 0, []
     while proc.poll() is None:
-        peak = max(peak, tree_rss(proc.pid))
+        rss, pss = tree_memory(proc.pid)
+        peak, peak_pss = max(peak, rss), max(peak_pss, pss)
         loads.append(os.getloadavg()[0])
         if time.monotonic() - t0 > timeout:
             proc.kill()
@@ -75,7 +79,8 @@ def run_prepare(src: Path, corpus: Path, out: Path, engine: str, timeout: float,
         return {"error": err_s.decode()[-2000:], "wall_s": round(wall, 1)}
     text = out_s.decode()
     report = json.loads(text[text.index("{"):])
-    return {"wall_s": round(wall, 1), "peak_rss_mb": round(peak / 2**20), "filters": report.get("filters", {}),
+    return {"wall_s": round(wall, 1), "peak_rss_mb": round(peak / 2**20),
+            "peak_pss_mb": round(peak_pss / 2**20), "filters": report.get("filters", {}),
             "load_avg": f"{min(loads, default=0):.1f}-{max(loads, default=0):.1f}"}
 
 
@@ -153,10 +158,10 @@ def main() -> int:
         shutil.rmtree(tmp, ignore_errors=True)
     print("\n| corpus | code | engine | wall s | MB/s | peak RSS (tree) MB | load avg | exact removed / planted | "
           "near removed / planted | near pairs found | unique docs removed (max) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
         print(f"| {r['mb']:g} MB | {r['code']} | {r['engine']} | {r['wall_s']} | {r['mb_per_s']} | "
-              f"{r.get('peak_rss_mb', '-')} | {r.get('load_avg', '-')} | {r.get('exact_removed')} / {r['planted_exact']} | "
+              f"{r.get('peak_rss_mb', '-')} | {r.get('peak_pss_mb', '-')} | {r.get('load_avg', '-')} | {r.get('exact_removed')} / {r['planted_exact']} | "
               f"{r.get('near_removed')} / {r['planted_near']} | {r.get('near_recall', '-')} | "
               f"{r.get('unique_removed_max', '-')} ({r.get('unique_removed_pct', '-')} %) |")
     ok = [r for r in results if "error" not in r]
@@ -164,7 +169,8 @@ def main() -> int:
     single = [r for r in ok if r["engine"] == "local" and r["code"] == ("baseline" if a.baseline_src else "this")]
     if len(ray) >= 2:
         print(f"\npeak RSS, ray: {ray[-1]['mb']:g} MB / {ray[0]['mb']:g} MB = "
-              f"{ray[-1]['peak_rss_mb'] / ray[0]['peak_rss_mb']:.2f}x (target <= 1.5x)")
+              f"{ray[-1]['peak_rss_mb'] / ray[0]['peak_rss_mb']:.2f}x (target <= 1.5x); peak PSS: "
+              f"{ray[-1]['peak_pss_mb'] / ray[0]['peak_pss_mb']:.2f}x")
     for s in single:
         for r in ray:
             print(f"throughput: ray {r['mb']:g} MB {r['mb_per_s']} MB/s / single-process ({s['code']}) {s['mb']:g} MB "
