@@ -156,7 +156,7 @@ def main() -> int:
             shutil.rmtree(d, ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    print("\n| corpus | code | engine | wall s | MB/s | peak RSS (tree) MB | load avg | exact removed / planted | "
+    print("\n| corpus | code | engine | wall s | MB/s | peak RSS (tree) MB | peak PSS (tree) MB | load avg | exact removed / planted | "
           "near removed / planted | near pairs found | unique docs removed (max) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
