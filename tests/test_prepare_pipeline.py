@@ -1,12 +1,15 @@
 """The distributed prepare pipeline: planted duplicates are found (exact all, near >= 95 %, <= 1 % of unique
-documents removed), and the output is byte-identical in this process, on Ray with any block layout, with 1 CPU,
-and read from / written to S3."""
+documents removed), and the output is byte-identical in this process, on Ray with any block layout, with 1 CPU
+reading from and writing to S3, and submitted (`ray job submit -- raytrain prepare`) to a 2-node cluster from
+scripts/local_cluster.sh reading from and writing to S3."""
 
 import importlib.util
 import json
 import os
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -14,6 +17,7 @@ import pytest
 from raytrain.data import pipeline
 from raytrain.data.prepare import PrepareConfig, prepare
 from raytrain.data.quality import clean_documents
+from tests.conftest import _free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 QUIET = {"log": lambda *_: None}
@@ -75,26 +79,36 @@ def _signature(out: str) -> dict:
 
 
 def _cfg(inputs, out, **kw):
-    return PrepareConfig(inputs=[str(inputs)], out=str(out), vocab_size=400, seq_len=64, shard_rows=100,
-                         formats=["parquet", "webdataset"], **kw)
+    return PrepareConfig(inputs=[str(inputs)], out=str(out), **SETTINGS, **kw)
+
+
+# Small partitions (256 kB of input each): the 1.5 MB corpus spreads over 6 of them, so the output depends on
+# cross-partition order, offsets and merged statistics being deterministic, not just on one task's work.
+SETTINGS = dict(vocab_size=400, seq_len=64, shard_rows=100, formats=["parquet", "webdataset"], partition_mb=0.25)
 
 
 @pytest.fixture(scope="module")
 def reference(corpus, tmp_path_factory):
     """The in-process engine's output, several partitions."""
     out = tmp_path_factory.mktemp("ref") / "out"
-    mp = pytest.MonkeyPatch()
-    mp.setattr(pipeline, "PART_BYTES", 256 << 10)
     prepare(_cfg(corpus / "corpus", out, engine="local"), **QUIET)
-    mp.undo()
     return _signature(str(out))
+
+
+@pytest.fixture(scope="module")
+def s3_corpus(corpus, s3_server) -> str:
+    """The planted corpus uploaded to the S3 server; its glob."""
+    from raytrain import storage
+
+    for f in sorted((corpus / "corpus").glob("*.jsonl")):
+        storage.upload_file(str(f), f"s3://raytrain-test/planted/{f.name}")
+    return "s3://raytrain-test/planted/*.jsonl"
 
 
 @pytest.mark.slow
 def test_ray_output_is_byte_identical_whatever_the_blocks(corpus, reference, tmp_path, monkeypatch, ray_cluster):
     """On the session's 4-CPU Ray, with other block boundaries (normalise batches of 37 documents, one read
     block per file): the in-process engine's bytes."""
-    monkeypatch.setattr(pipeline, "PART_BYTES", 256 << 10)
     monkeypatch.setattr(pipeline, "NORMALISE_BATCH", 37)
     assert len(reference["train"]["shards"]["parquet"]) >= 3 and reference["val"]["num_samples"] > 0
     r = prepare(_cfg(corpus / "corpus", tmp_path / "a", engine="ray"), **QUIET)
@@ -103,19 +117,80 @@ def test_ray_output_is_byte_identical_whatever_the_blocks(corpus, reference, tmp
 
 
 @pytest.mark.slow
-def test_one_cpu_ray_from_and_to_s3_gives_the_same_bytes(corpus, reference, s3_server):
+def test_one_cpu_ray_from_and_to_s3_gives_the_same_bytes(s3_corpus, reference):
     """A fresh Ray instance with 1 CPU reads the corpus from the S3 server and writes the shards there."""
-    from raytrain import storage
-
-    for f in sorted((corpus / "corpus").glob("*.jsonl")):
-        storage.upload_file(str(f), f"s3://raytrain-test/planted/{f.name}")
     out = "s3://raytrain-test/prepared-1cpu"
     code = ("import ray\nray.init(address='local', num_cpus=1, include_dashboard=False, log_to_driver=False)\n"
-            "from raytrain.data import pipeline\nfrom raytrain.data.prepare import PrepareConfig, prepare\n"
-            "pipeline.PART_BYTES = 256 << 10\n"
-            "prepare(PrepareConfig(inputs=['s3://raytrain-test/planted/*.jsonl'], out='" + out + "', vocab_size=400,"
-            " seq_len=64, shard_rows=100, formats=['parquet', 'webdataset'], engine='ray'), log=lambda *_: None)\n")
+            "from raytrain.data.prepare import PrepareConfig, prepare\n"
+            f"prepare(PrepareConfig(inputs=[{s3_corpus!r}], out={out!r}, engine='ray', **{SETTINGS!r}),"
+            " log=lambda *_: None)\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
                        env={**os.environ, "RAY_ADDRESS": ""})
     assert r.returncode == 0, r.stderr[-3000:]
     assert _signature(out) == reference
+
+
+def _cluster_nodes(dash: int) -> list[dict]:
+    """The cluster's nodes from the dashboard's state API (plain HTTP with the token: pitfalls #2)."""
+    token = (Path.home() / ".ray" / "auth_token").read_text().strip()
+    req = urllib.request.Request(f"http://127.0.0.1:{dash}/api/v0/nodes?detail=1&limit=100",
+                                 headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        return json.loads(resp.read())["data"]["result"]["result"]
+
+
+@pytest.fixture(scope="module")
+def two_node_cluster(s3_server, tmp_path_factory):
+    """scripts/local_cluster.sh with a head of 1 CPU and one worker node of 1 CPU that the autoscaler starts at
+    once (min_workers 1), S3 settings in its environment. Yields (dashboard port, env for `ray job submit`)."""
+    import yaml
+
+    cfg = yaml.safe_load((ROOT / "cluster" / "local-fake.yaml").read_text())
+    cfg["max_workers"] = 1
+    cfg["available_node_types"] = {
+        "ray.head.default": {"resources": {"CPU": 1}, "node_config": {}, "max_workers": 0},
+        "cpu": {"resources": {"CPU": 1}, "node_config": {}, "min_workers": 1, "max_workers": 1},
+    }
+    path = tmp_path_factory.mktemp("cluster") / "two-nodes.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    port, dash = _free_port(), _free_port()
+    env = {**os.environ, "RAYTRAIN_CLUSTER_PORT": str(port), "RAYTRAIN_CLUSTER_DASHBOARD_PORT": str(dash),
+           "RAYTRAIN_CLUSTER_CONFIG": str(path), "RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0"}
+    env.pop("RAY_ADDRESS", None)
+    script = str(ROOT / "scripts" / "local_cluster.sh")
+    up = subprocess.run([script, "up"], env=env, capture_output=True, text=True, timeout=300)
+    try:
+        if up.returncode != 0:
+            pytest.skip(f"the fake_multinode cluster did not start (RAY_FAKE_CLUSTER=1 ray start): "
+                        f"{(up.stdout + up.stderr).strip().splitlines()[-1:]}")
+        t0 = time.monotonic()
+        while sum(n["state"] == "ALIVE" for n in _cluster_nodes(dash)) < 2:
+            assert time.monotonic() - t0 < 120, f"the worker node did not join in 120 s: {_cluster_nodes(dash)}"
+            time.sleep(2)
+        yield dash, env
+    finally:
+        subprocess.run([script, "down"], env=env, capture_output=True, timeout=120)
+
+
+@pytest.mark.slow
+def test_two_node_cluster_job_from_and_to_s3_gives_the_same_bytes(s3_corpus, reference, two_node_cluster):
+    """`ray job submit -- raytrain prepare ... engine=ray` on a 2-node cluster, S3 in and out: the same bytes as
+    the in-process engine, with the pipeline's tasks spread over both nodes."""
+    dash, env = two_node_cluster
+    out = "s3://raytrain-test/prepared-2nodes"
+    settings = [f"{k}={json.dumps(v)}" for k, v in SETTINGS.items()]
+    job = subprocess.run([str(Path(sys.executable).parent / "ray"), "job", "submit",
+                          f"--address=http://127.0.0.1:{dash}", "--", "raytrain", "prepare", f"inputs=[{s3_corpus}]",
+                          f"out={out}", "engine=ray", *settings],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert job.returncode == 0 and "engine ray" in job.stdout, (job.stdout + job.stderr)[-3000:]
+    assert _signature(out) == reference
+    nodes = [n for n in _cluster_nodes(dash) if n["state"] == "ALIVE"]
+    assert len(nodes) == 2, nodes
+    token = (Path.home() / ".ray" / "auth_token").read_text().strip()
+    req = urllib.request.Request(f"http://127.0.0.1:{dash}/api/v0/tasks?detail=1&limit=10000",
+                                 headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        tasks = json.loads(resp.read())["data"]["result"]["result"]
+    used = {t["node_id"] for t in tasks if t.get("node_id") and "Map" in (t.get("name") or "")}
+    assert used == {n["node_id"] for n in nodes}, (used, [(t.get("name"), t.get("node_id")) for t in tasks][:20])

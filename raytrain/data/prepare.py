@@ -48,6 +48,7 @@ class PrepareConfig(_Section):
     shard_rows: int = Field(1024, ge=1)
     text_mode: Literal["file", "line"] = Field("file", description="plain-text inputs: one document per file, or per non-blank line")
     invalid_utf8: Literal["replace", "drop"] = Field("replace", description="documents with invalid UTF-8: replace the bad bytes (U+FFFD) or drop the document (counted)")
+    partition_mb: float = Field(8.0, gt=0, description="input MB per output partition: the unit of de-duplication, tokenizing and packing (one task each, its memory grows with it); part of what the output depends on, never the cluster")
     engine: Literal["auto", "local", "ray"] = Field("auto", description="run every stage as one Ray Data pipeline on the cluster's CPUs (ray), in this process (local), or ray for inputs of 32 MB and more (auto)")
     min_chars: int = Field(1, ge=0, description="documents shorter than this (after normalising) are dropped (counted)")
     max_doc_chars: int = Field(0, ge=0, description="documents longer than this are dropped (counted); 0: no limit")
