@@ -34,7 +34,9 @@ from raytrain.errors import UserError
 
 LOCAL_MAX_BYTES = 32 << 20  # engine=auto: smaller inputs are prepared in this process (Ray start-up costs more)
 TOKENIZER_SAMPLE_CHARS = 200 << 20  # a cap on the tokenizer sample however large its documents
-OBJECT_STORE_BYTES = 1 << 30  # a local Ray instance started by prepare: above this, blocks spill to disk
+# A local Ray instance started by prepare: above this, blocks spill to disk. Small, so that what the shuffles
+# hold in shared memory stops growing early (measured with 1 GiB: the 1 GB corpus's tree held 2.7x the RSS of 64 MB's).
+OBJECT_STORE_BYTES = 256 << 20
 NORMALISE_BATCH = 2048
 # Ray Data's shuffle (SHUFFLE_V2) coalesces up to 1 GiB of input blocks per node into ONE map task by default:
 # that task's memory then grows with the corpus up to 1 GiB and more (measured: 2.9x the peak memory for 16x the
@@ -333,6 +335,11 @@ def _run_ray(cfg, src: Sources, out: str, make_tokenizer, log) -> dict:
     ctx.enable_progress_bars = False  # our own throttled progress lines instead of per-operator bars
     ctx.print_on_execution_start = False
     ctx.shuffle_input_batch_bytes = SHUFFLE_BATCH_BYTES
+    # Sort-based shuffle: its intermediate blocks live in the object store (bounded, spilled to disk) and each
+    # reduce task takes one partition. The default hash shuffle (SHUFFLE_V2) keeps every partition's blocks in
+    # aggregator actors' heaps until the last input arrives, so their memory grew with the corpus (measured:
+    # whole-tree PSS 1.88x for 16x the corpus with it, 1.29x with this; the output bytes are the same).
+    ctx.shuffle_strategy = ray.data.context.ShuffleStrategy.SORT_SHUFFLE_PULL_BASED
     actor = ray.remote(Progress).options(num_cpus=0).remote()
     prog = _ActorProgress(actor)
     kw = _stage_kwargs(cfg, src)
