@@ -9,7 +9,6 @@ import pytest
 from tokenizers import Tokenizer
 
 from raytrain import storage
-from raytrain.data.inputs import iter_documents
 from raytrain.data.prepare import EOT, PrepareConfig, prepare
 from raytrain.errors import UserError
 
@@ -27,11 +26,13 @@ def _write_inputs(root):
     pq.write_table(pa.table({"body": DOCS[9:], "n": [1, 2, 3]}), root / "table.parquet")
 
 
-def _read(inputs, **kw):
-    from collections import Counter
-
-    counts = Counter()
-    return list(iter_documents(inputs, counts, **kw)), counts
+def _read(inputs, out, **kw):
+    """The documents `prepare` read (all of them land in the review sample: no val split, no near-dedup), sorted,
+    and its counts."""
+    report = prepare(PrepareConfig(inputs=inputs, out=str(out), vocab_size=260, seq_len=4, val_fraction=0.0,
+                                   near_dup_threshold=1.0, review_samples=100, **kw), **QUIET)
+    review = storage.read_text(storage.join(str(out), "review_sample.jsonl")).splitlines()
+    return sorted(json.loads(x)["text"] for x in review), report["filters"]
 
 
 @pytest.mark.parametrize("where", ["local", "s3"])
@@ -45,16 +46,16 @@ def test_every_input_kind_in_order(tmp_path, where, engine, s3_server, ray_clust
             if p.is_file():
                 storage.upload_file(str(p), f"{base}/{p.relative_to(tmp_path)}")
     inputs = [f"{base}/files/*.txt", f"{base}/lines.txt", f"{base}/recs.jsonl", f"{base}/table.parquet"]
-    docs, counts = _read(inputs, text_field="body", text_mode="line", engine=engine)
-    assert docs == DOCS and not counts
+    docs, counts = _read(inputs, tmp_path / "out", text_field="body", text_mode="line", engine=engine)
+    assert docs == sorted(DOCS) and counts["input"] == len(DOCS) == counts["kept"]
 
 
 def test_invalid_utf8_replaced_or_dropped_and_counted(tmp_path):
     (tmp_path / "a.txt").write_bytes(b"good text here")
     (tmp_path / "b.txt").write_bytes(b"bad \xff\xfe bytes here")
-    docs, counts = _read([str(tmp_path / "*.txt")], invalid_utf8="replace", engine="local")
-    assert docs == ["good text here", "bad \ufffd\ufffd bytes here"] and counts["invalid_utf8_replaced"] == 1
-    docs, counts = _read([str(tmp_path / "*.txt")], invalid_utf8="drop", engine="local")
+    docs, counts = _read([str(tmp_path / "*.txt")], tmp_path / "r", invalid_utf8="replace", engine="local")
+    assert docs == ["bad \ufffd\ufffd bytes here", "good text here"] and counts["invalid_utf8_replaced"] == 1
+    docs, counts = _read([str(tmp_path / "*.txt")], tmp_path / "d", invalid_utf8="drop", engine="local")
     assert docs == ["good text here"] and counts["dropped_invalid_utf8"] == 1
     report = prepare(PrepareConfig(inputs=[str(tmp_path / "*.txt")], out=str(tmp_path / "o"), vocab_size=260,
                                    seq_len=4, val_fraction=0.0, invalid_utf8="drop"), **QUIET)
@@ -87,9 +88,9 @@ def test_unreadable_file_is_named(tmp_path):
         prepare(PrepareConfig(inputs=[str(tmp_path / "*.txt")], out=str(tmp_path / "o"), vocab_size=260), **QUIET)
 
 
-def test_s3_glob_matching_nothing(s3_server):
+def test_s3_glob_matching_nothing(tmp_path, s3_server):
     with pytest.raises(UserError, match="matches no files"):
-        _read(["s3://raytrain-test/nothing-here/*.txt"], engine="local")
+        _read(["s3://raytrain-test/nothing-here/*.txt"], tmp_path / "o", engine="local")
 
 
 def test_tokenizer_special_tokens_sample_and_reuse(tmp_path):

@@ -1,24 +1,20 @@
 """Where `raytrain prepare` reads documents from: local or s3:// files and globs of plain text (one document per
-file or per line), JSONL (a text field) and Parquet (a text column), in a deterministic order, in this process
-or as a Ray Data pipeline spread over the cluster. Invalid UTF-8 is replaced or dropped, and counted.
+file or per line), JSONL (a text field) and Parquet (a text column), listed in a fixed order; one file's documents
+with invalid UTF-8 replaced or dropped; whether prepare runs on Ray; our one-line errors out of Ray tasks.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fnmatch
-import functools
 import glob
 import io
 import json
 import os
-import time
-from collections import Counter
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 from raytrain import storage
-from raytrain.data.corpus import BUILTIN, python_docs
 from raytrain.errors import UserError
 
 _GLOB = set("*?[")
@@ -111,10 +107,6 @@ def read_file(uri: str, text_field: str = "text", text_mode: str = "file",
     return out
 
 
-def _rows_of(row: dict, **kw) -> list[dict]:
-    return [{"text": t, "utf8": s} for t, s in read_file(row["uri"], **kw)]
-
-
 @contextlib.contextmanager
 def user_errors_from_ray():
     """Our one-line errors raised inside Ray tasks reach the user as that one line, not Ray's wrapped traceback."""
@@ -141,7 +133,8 @@ def _user_error_in(err: BaseException) -> Optional[str]:
     return None
 
 
-def use_ray(engine: str, object_store_memory: Optional[int] = None) -> bool:
+def use_ray(engine: str, local_init: Optional[dict] = None) -> bool:
+    """Whether to run on Ray, connecting first if needed; local_init: ray.init arguments for a fresh local instance."""
     if engine == "local":
         return False  # without importing ray (a second of start-up)
     import ray
@@ -163,51 +156,6 @@ def use_ray(engine: str, object_store_memory: Optional[int] = None) -> bool:
         # RAY_ADDRESS's cluster when set; otherwise a fresh local instance, never a stray cluster that
         # an earlier `ray start` on this machine left behind (ray.init() alone would try to join it).
         address = os.environ.get("RAY_ADDRESS") or "local"
-        kw = {"object_store_memory": object_store_memory} if address == "local" and object_store_memory else {}
+        kw = dict(local_init or {}) if address == "local" else {}
         ray.init(address=address, log_to_driver=False, include_dashboard=False, logging_level="ERROR", **kw)
     return True
-
-
-def iter_documents(inputs: list[str], counts: Counter, text_field: str = "text", text_mode: str = "file",
-                   invalid_utf8: str = "replace", max_chars: int = 3_000_000, engine: str = "auto",
-                   log=print) -> Iterator[str]:
-    """Yield documents in a deterministic order (inputs in order, files sorted, lines in order).
-
-    engine=ray reads the files as a Ray Data pipeline (file order preserved, progress bars shown), so a
-    large corpus is read by every node of the cluster; engine=local reads them here; auto: ray when this
-    process is connected to a Ray cluster (or RAY_ADDRESS is set), else local.
-    """
-    kw = {"text_field": text_field, "text_mode": text_mode, "invalid_utf8": invalid_utf8}
-    ray_engine = None
-    for spec in inputs:
-        if spec in BUILTIN:
-            yield from python_docs(max_chars)
-            continue
-        uris = expand(spec)
-        if ray_engine is None:
-            ray_engine = use_ray(engine)
-        if ray_engine:
-            import ray.data
-
-            ctx = ray.data.DataContext.get_current()
-            ctx.execution_options.preserve_order = True
-            ds = ray.data.from_items([{"uri": u} for u in uris], override_num_blocks=min(len(uris), 200))
-            rows = ds.flat_map(functools.partial(_rows_of, **kw)).iter_rows()
-        else:
-            rows = _local_rows(uris, kw, log)
-        with user_errors_from_ray():
-            for row in rows:
-                if row["utf8"] != "ok":
-                    counts["invalid_utf8_replaced" if row["text"] is not None else "dropped_invalid_utf8"] += 1
-                if row["text"] is not None:
-                    yield row["text"]
-
-
-def _local_rows(uris: list[str], kw: dict, log) -> Iterator[dict]:
-    t_last = time.monotonic()
-    for n, uri in enumerate(uris, 1):
-        yield from _rows_of({"uri": uri}, **kw)
-        if time.monotonic() - t_last > 10:
-            t_last = time.monotonic()
-            log(f"prepare: read {n} of {len(uris)} files")
-

@@ -34,9 +34,11 @@ from raytrain.errors import UserError
 
 LOCAL_MAX_BYTES = 32 << 20  # engine=auto: smaller inputs are prepared in this process (Ray start-up costs more)
 TOKENIZER_SAMPLE_CHARS = 200 << 20  # a cap on the tokenizer sample however large its documents
-# A local Ray instance started by prepare: above this, blocks spill to disk. Small, so that what the shuffles
-# hold in shared memory stops growing early (measured with 1 GiB: the 1 GB corpus's tree held 2.7x the RSS of 64 MB's).
-OBJECT_STORE_BYTES = 256 << 20
+# A local Ray instance started by prepare. Every process that touches the object store maps its pages, so its
+# size counts once per such process: small (above it, blocks spill to disk), and one spill and one restore worker
+# instead of Ray's four each, which otherwise stay alive each mapping the whole store (measured, 1 GB corpus:
+# whole-tree RSS 5.3 GB with 1 GiB store and 4 IO workers, 3.9 GB with this; 64 MB corpus: 2.9 GB either way).
+LOCAL_RAY = {"object_store_memory": 256 << 20, "_system_config": {"max_io_workers": 1}}
 NORMALISE_BATCH = 2048
 # Ray Data's shuffle (SHUFFLE_V2) coalesces up to 1 GiB of input blocks per node into ONE map task by default:
 # that task's memory then grows with the corpus up to 1 GiB and more (measured: 2.9x the peak memory for 16x the
@@ -231,7 +233,7 @@ def run(cfg, out: str, make_tokenizer: Callable[[Optional[list[str]]], tuple], l
     if engine == "auto":
         # Small inputs in this process even on a cluster: starting the pipeline costs more than they take.
         engine = "ray" if src.bytes >= LOCAL_MAX_BYTES else "local"
-    ray_engine = use_ray(engine, OBJECT_STORE_BYTES)
+    ray_engine = use_ray(engine, LOCAL_RAY)
     log(f"prepare: {len(src.uris) + (1 if src.builtin else 0)} input(s), {src.bytes / 2**20:.1f} MB, "
         f"{src.n_parts} partition(s), engine {'ray' if ray_engine else 'local'}")
     with user_errors_from_ray():

@@ -135,13 +135,6 @@ def compare(a: str, b: str, split: str = "train") -> dict:
     return out
 
 
-def review_sample(docs: list[str], n: int, seed: int) -> list[str]:
-    if n <= 0 or not docs:
-        return []
-    idx = np.random.default_rng(seed).choice(len(docs), min(n, len(docs)), replace=False)
-    return [docs[i] for i in sorted(idx)]
-
-
 def drift_verdict(ks: Optional[float]) -> str:
     if ks is None or ks != ks:
         return "unknown"
