@@ -126,3 +126,43 @@ def test_jobs_api_ray_address_reads_locally_or_is_explained(tmp_path):
     auto, err = r.stdout.strip().splitlines()
     assert auto == "False"
     assert err.startswith("engine=ray, but RAY_ADDRESS=http://127.0.0.1:8265 is the Ray Jobs API address")
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_large_files_read_in_ranges_give_every_document_once(tmp_path, monkeypatch, where, s3_server):
+    """JSONL, line-per-document text and Parquet above READ_RANGE_BYTES are read in byte ranges by separate
+    tasks: every document exactly once, whatever the range size (smaller than a line, cut at a newline)."""
+    from raytrain.data import inputs
+
+    docs = [f"doc {i} " + "x" * (i * 37 % 300) for i in range(400)]
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    (tmp_path / "b.txt").write_text("\n".join(docs) + "\n")
+    pq.write_table(pa.table({"text": docs}), tmp_path / "c.parquet", row_group_size=37)
+    base = str(tmp_path)
+    if where == "s3":
+        base = "s3://raytrain-test/ranges"
+        for name in ("a.jsonl", "b.txt", "c.parquet"):
+            storage.upload_file(str(tmp_path / name), f"{base}/{name}")
+    files = inputs.expand(f"{base}/*")
+    assert [s for _, s in files] == [(tmp_path / n).stat().st_size for n in ("a.jsonl", "b.txt", "c.parquet")]
+    for size in (7, 1000, 4096, 1 << 30):
+        monkeypatch.setattr(inputs, "READ_RANGE_BYTES", size)
+        units = inputs.read_units(files, "line")
+        if size == 1000:
+            assert len(units) > 3 * 10
+        for uri, _ in files:
+            got = [t for u in units if u["uri"] == uri
+                   for t, _ in inputs.read_file(uri, text_mode="line", start=u["start"], stop=u["stop"])]
+            assert got == docs, (uri, size)
+
+
+def test_bad_line_in_a_later_range_is_named_with_its_line_number(tmp_path, monkeypatch):
+    from raytrain.data import inputs
+
+    lines = [json.dumps({"text": f"document number {i}"}) for i in range(500)]
+    lines[431] = "not json at all"
+    p = tmp_path / "big.jsonl"
+    p.write_text("\n".join(lines) + "\n")
+    monkeypatch.setattr(inputs, "READ_RANGE_BYTES", 2000)
+    with pytest.raises(UserError, match=f"input {p}:432: not valid JSON"):
+        prepare(PrepareConfig(inputs=[str(p)], out=str(tmp_path / "o"), vocab_size=260, engine="local"), **QUIET)

@@ -61,6 +61,25 @@ def test_planted_duplicates_are_found(corpus):
     assert removed / len(unique) <= 0.01, (removed, len(unique))
 
 
+def test_tokenizer_sample_reaching_the_driver_is_bounded_in_characters(corpus, tmp_path, monkeypatch):
+    """tokenizer_sample_docs=0 ("all") still draws only about twice the character cap to the driver."""
+    cap = 50_000
+    monkeypatch.setattr(pipeline, "TOKENIZER_SAMPLE_CHARS", cap)
+    real, seen = pipeline.tokenizer_sample, {}
+
+    def spy(rows, limit):
+        seen["drawn"] = sum(len(r["text"]) for r in rows)
+        sample = real(rows, limit)
+        seen["sample"] = sum(map(len, sample))
+        return sample
+
+    monkeypatch.setattr(pipeline, "tokenizer_sample", spy)
+    prepare(PrepareConfig(inputs=[str(corpus / "corpus")], out=str(tmp_path / "o"), vocab_size=300,
+                          tokenizer_sample_docs=0, engine="local"), **QUIET)
+    total = sum(len(d["text"]) for d in _docs(corpus))
+    assert total > 20 * cap and cap <= seen["sample"] < cap + 20_000 and seen["drawn"] < 3 * cap, (seen, total)
+
+
 def _signature(out: str) -> dict:
     """What must not depend on where and how the pipeline ran: manifests (less location) and every shard sha256."""
     from raytrain import storage
@@ -107,9 +126,12 @@ def s3_corpus(corpus, s3_server) -> str:
 
 @pytest.mark.slow
 def test_ray_output_is_byte_identical_whatever_the_blocks(corpus, reference, tmp_path, monkeypatch, ray_cluster):
-    """On the session's 4-CPU Ray, with other block boundaries (normalise batches of 37 documents, one read
-    block per file): the in-process engine's bytes."""
+    """On the session's 4-CPU Ray, with other block boundaries (normalise batches of 37 documents, every file
+    read in 50 kB ranges by separate tasks): the in-process engine's bytes."""
+    from raytrain.data import inputs
+
     monkeypatch.setattr(pipeline, "NORMALISE_BATCH", 37)
+    monkeypatch.setattr(inputs, "READ_RANGE_BYTES", 50_000)
     assert len(reference["train"]["shards"]["parquet"]) >= 3 and reference["val"]["num_samples"] > 0
     r = prepare(_cfg(corpus / "corpus", tmp_path / "a", engine="ray"), **QUIET)
     assert r["engine"] == "ray" and r["filters"]["dropped_exact_duplicate"] > 0

@@ -18,6 +18,7 @@ from raytrain import storage
 from raytrain.errors import UserError
 
 _GLOB = set("*?[")
+READ_RANGE_BYTES = 32 << 20  # larger splittable files are read in pieces of this size by separate tasks
 
 
 def kind(uri: str) -> str:
@@ -25,30 +26,57 @@ def kind(uri: str) -> str:
     return "jsonl" if name.endswith((".jsonl", ".ndjson")) else "parquet" if name.endswith(".parquet") else "text"
 
 
-def expand(spec: str) -> list[str]:
-    """Files named by a path, directory or glob (local or s3://), sorted, so the order never depends on listing."""
+def expand(spec: str) -> list[tuple[str, int]]:
+    """(file, size in bytes) for the files named by a path, directory or glob (local or s3://), sorted, so the
+    order never depends on listing. Sizes come with the listing: no request per file."""
     if storage.is_remote(spec):
         fs, path = storage.resolve(spec)
         cut = min((path.index(c) for c in _GLOB if c in path), default=None)
         import pyarrow.fs as pafs
 
         try:
-            if cut is None and fs.get_file_info(path).type == pafs.FileType.File:
-                return [spec]
+            info = fs.get_file_info(path) if cut is None else None
+            if info is not None and info.type == pafs.FileType.File:
+                return [(spec, info.size or 0)]
             base = path if cut is None else path[:cut].rsplit("/", 1)[0]
             infos = fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True))
         except OSError as e:
             raise UserError(f"input {spec!r}: cannot list it ({str(e).strip().splitlines()[0]})") from None
-        files = sorted("s3://" + i.path for i in infos if i.type == pafs.FileType.File
+        files = sorted(("s3://" + i.path, i.size or 0) for i in infos if i.type == pafs.FileType.File
                        and (cut is None or fnmatch.fnmatchcase(i.path, path)))
     else:
-        files = []
+        paths = []
         for p in sorted(Path(p) for p in glob.glob(str(Path(spec).expanduser()), recursive=True)):
-            files.extend(sorted(str(q.absolute()) for q in p.rglob("*") if q.is_file()) if p.is_dir()
+            paths.extend(sorted(str(q.absolute()) for q in p.rglob("*") if q.is_file()) if p.is_dir()
                          else [str(p.absolute())])
+        files = [(p, _size(p)) for p in paths]
     if not files:
         raise UserError(f"input {spec!r} matches no files")
     return files
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0  # unreadable files are named when they are read
+
+
+def read_units(files: list[tuple[str, int]], text_mode: str) -> list[dict]:
+    """The pieces of the input one task reads: {uri, start, stop}. JSONL, line-per-document text and Parquet
+    files above READ_RANGE_BYTES are cut into byte ranges (a range reads the lines, or the Parquet row groups,
+    that start in it), so one large file is read by many tasks, none holding more than about a range; stop -1:
+    the whole file. Where a document lands downstream depends on its content only, so the cut never shows."""
+    units = []
+    for uri, size in files:
+        k = kind(uri)
+        splittable = k in ("jsonl", "parquet") or (k == "text" and text_mode == "line")
+        if not splittable or size <= READ_RANGE_BYTES:
+            units.append({"uri": uri, "start": 0, "stop": -1})
+            continue
+        units += [{"uri": uri, "start": a, "stop": min(size, a + READ_RANGE_BYTES)}
+                  for a in range(0, size, READ_RANGE_BYTES)]
+    return units
 
 
 def _decode(data: bytes, invalid_utf8: str) -> tuple[Optional[str], str]:
@@ -60,32 +88,29 @@ def _decode(data: bytes, invalid_utf8: str) -> tuple[Optional[str], str]:
         return data.decode("utf-8", errors="replace"), "replaced"
 
 
-def read_file(uri: str, text_field: str = "text", text_mode: str = "file",
-              invalid_utf8: str = "replace") -> list[tuple[Optional[str], str]]:
-    """Documents of one file as (text or None if dropped, utf-8 status). Bad files are a UserError naming them."""
+def read_file(uri: str, text_field: str = "text", text_mode: str = "file", invalid_utf8: str = "replace",
+              start: int = 0, stop: int = -1) -> list[tuple[Optional[str], str]]:
+    """Documents of one file, or of its byte range [start, stop) (see read_units), as (text or None if dropped,
+    utf-8 status). Bad files are a UserError naming them (and the line, for JSONL)."""
     k = kind(uri)
     if k == "parquet":
-        import pyarrow.parquet as pq
-
-        fs, path = storage.resolve(uri)
+        return _read_parquet(uri, text_field, start, stop)
+    if stop < 0:
         try:
-            with fs.open_input_file(path) as f:
-                pf = pq.ParquetFile(f)
-                if text_field not in pf.schema_arrow.names:
-                    raise UserError(f"input {uri}: Parquet file has no column {text_field!r} (columns: "
-                                    f"{', '.join(pf.schema_arrow.names)}); set text_field=...")
-                col = pf.read(columns=[text_field])[text_field]
-        except UserError:
-            raise
-        except Exception as e:  # noqa: BLE001 - any pyarrow failure means the file is unreadable
-            raise UserError(f"input {uri}: not a readable Parquet file ({str(e).strip().splitlines()[0]})") from None
-        return [("" if v is None else str(v), "ok") for v in col.to_pylist()]
-    try:
-        data = storage.read_bytes(uri)
-    except UserError as e:
-        raise UserError(f"input {uri}: cannot read it ({e})") from None
+            data, first = storage.read_bytes(uri), 0
+        except UserError as e:
+            raise UserError(f"input {uri}: cannot read it ({e})") from None
+    else:
+        try:
+            data, first = storage.read_line_range(uri, start, stop)
+        except UserError as e:
+            raise UserError(f"input {uri}: cannot read it ({e})") from None
     if k == "text" and text_mode == "file":
         return [_decode(data, invalid_utf8)]
+
+    def where(n: int) -> str:  # lines before this range are counted only when there is an error to name
+        return f"{uri}:{n + (storage.count_lines(uri, first) if first else 0)}"
+
     out = []
     for lineno, raw in enumerate(io.BytesIO(data), 1):
         text, status = _decode(raw, invalid_utf8)
@@ -100,11 +125,37 @@ def read_file(uri: str, text_field: str = "text", text_mode: str = "file",
         try:
             rec = json.loads(text)
         except json.JSONDecodeError:
-            raise UserError(f"input {uri}:{lineno}: not valid JSON") from None
+            raise UserError(f"input {where(lineno)}: not valid JSON") from None
         if not isinstance(rec, dict) or text_field not in rec:
-            raise UserError(f"input {uri}:{lineno}: record has no {text_field!r} field (set text_field=...)")
+            raise UserError(f"input {where(lineno)}: record has no {text_field!r} field (set text_field=...)")
         out.append((str(rec[text_field]), status))
     return out
+
+
+def _read_parquet(uri: str, text_field: str, start: int, stop: int) -> list[tuple[Optional[str], str]]:
+    import pyarrow.parquet as pq
+
+    fs, path = storage.resolve(uri)
+    try:
+        with fs.open_input_file(path) as f:
+            pf = pq.ParquetFile(f)
+            if text_field not in pf.schema_arrow.names:
+                raise UserError(f"input {uri}: Parquet file has no column {text_field!r} (columns: "
+                                f"{', '.join(pf.schema_arrow.names)}); set text_field=...")
+            groups = range(pf.num_row_groups)
+            if stop >= 0:  # the row groups whose first page lies in the range: each in exactly one range
+                groups = [g for g in groups if start <= _row_group_offset(pf.metadata.row_group(g)) < stop]
+            col = pf.read_row_groups(list(groups), columns=[text_field])[text_field]
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any pyarrow failure means the file is unreadable
+        raise UserError(f"input {uri}: not a readable Parquet file ({str(e).strip().splitlines()[0]})") from None
+    return [("" if v is None else str(v), "ok") for v in col.to_pylist()]
+
+
+def _row_group_offset(rg) -> int:
+    c = rg.column(0)
+    return c.dictionary_page_offset if c.has_dictionary_page and c.dictionary_page_offset else c.data_page_offset
 
 
 @contextlib.contextmanager

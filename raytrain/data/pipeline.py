@@ -15,7 +15,6 @@ import functools
 import json
 import logging
 import math
-import os
 import threading
 import time
 from collections import Counter
@@ -25,10 +24,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from raytrain import storage
 from raytrain.data import minhash, stages
 from raytrain.data.corpus import BUILTIN, python_docs
-from raytrain.data.inputs import expand, read_file, use_ray, user_errors_from_ray
+from raytrain.data.inputs import expand, read_file, read_units, use_ray, user_errors_from_ray
 from raytrain.data.report import MAX_LENGTH_SAMPLE
 from raytrain.errors import UserError
 
@@ -107,42 +105,25 @@ class _Reporter:
 
 
 class Sources:
-    """The inputs, expanded (bad globs fail here, before any work), with their total size."""
+    """The inputs, expanded (bad globs fail here, before any work), with their total size, cut into read units."""
 
     def __init__(self, cfg):
-        self.uris: list[str] = []
+        files: list[tuple[str, int]] = []
         self.builtin: list[str] = []
-        nbytes = 0
         for spec in cfg.inputs:
             if spec in BUILTIN:
-                docs = list(python_docs(cfg.max_chars))
-                self.builtin += docs
-                nbytes += sum(len(d) for d in docs)
+                self.builtin += list(python_docs(cfg.max_chars))
                 continue
-            uris = expand(spec)
-            self.uris += uris
-            nbytes += _sizes(uris)
-        self.bytes = nbytes
+            files += expand(spec)
+        self.n_files = len(files)
+        self.bytes = sum(size for _, size in files) + sum(len(d) for d in self.builtin)
+        self.units = read_units(files, cfg.text_mode)
         # A function of the inputs and settings only, never of the cluster: the output depends on it.
-        self.n_parts = max(1, math.ceil(nbytes / (cfg.partition_mb * 2**20)))
-
-
-def _sizes(uris: list[str]) -> int:
-    total = 0
-    for u in uris:
-        try:
-            if storage.is_remote(u):
-                fs, path = storage.resolve(u)
-                total += max(0, fs.get_file_info(path).size or 0)
-            else:
-                total += os.path.getsize(u)
-        except OSError:
-            pass  # unreadable files are named when they are read
-    return total
+        self.n_parts = max(1, math.ceil(self.bytes / (cfg.partition_mb * 2**20)))
 
 
 def _read_batch(batch: pa.Table, **kw) -> pa.Table:
-    rows = [r for uri in batch.column("uri").to_pylist() for r in read_file(uri, **kw)]
+    rows = [r for u in batch.to_pylist() for r in read_file(u["uri"], start=u["start"], stop=u["stop"], **kw)]
     return pa.table({"text": pa.array([t for t, _ in rows], pa.large_string()),
                      "utf8": pa.array([s for _, s in rows], pa.string())})
 
@@ -234,7 +215,8 @@ def run(cfg, out: str, make_tokenizer: Callable[[Optional[list[str]]], tuple], l
         # Small inputs in this process even on a cluster: starting the pipeline costs more than they take.
         engine = "ray" if src.bytes >= LOCAL_MAX_BYTES else "local"
     ray_engine = use_ray(engine, LOCAL_RAY)
-    log(f"prepare: {len(src.uris) + (1 if src.builtin else 0)} input(s), {src.bytes / 2**20:.1f} MB, "
+    log(f"prepare: {src.n_files + (1 if src.builtin else 0)} input(s) in {len(src.units) + (1 if src.builtin else 0)} "
+        f"read unit(s), {src.bytes / 2**20:.1f} MB, "
         f"{src.n_parts} partition(s), engine {'ray' if ray_engine else 'local'}")
     with user_errors_from_ray():
         return (_run_ray if ray_engine else _run_local)(cfg, src, out, make_tokenizer, log)
@@ -246,8 +228,10 @@ def _read_kw(cfg) -> dict:
 
 def _finish(cfg, src, counts_rows, make_tokenizer, sample_fn, log):
     counts: Counter = Counter()
+    kept_chars = 0
     for r in counts_rows:
         counts[r["what"]] += r["n"]
+        kept_chars += r["chars"]
     n_kept = counts.pop("", 0)
     counts = Counter({k: v for k, v in counts.items() if v})
     counts["input"] = n_kept + sum(v for k, v in counts.items() if k.startswith("dropped_"))
@@ -255,7 +239,11 @@ def _finish(cfg, src, counts_rows, make_tokenizer, sample_fn, log):
         raise UserError(f"no usable documents in inputs {cfg.inputs} (all empty or shorter than min_chars={cfg.min_chars})")
     sample = None
     if not cfg.tokenizer:
-        frac = 1.0 if not cfg.tokenizer_sample_docs else min(1.0, 2.0 * cfg.tokenizer_sample_docs / n_kept)
+        # Draw about twice what the sample needs, in documents and in characters, so what reaches this process
+        # is bounded however large the corpus or its documents (0 = "all" documents is still capped in characters).
+        frac = min(1.0, 2.0 * TOKENIZER_SAMPLE_CHARS / max(1, kept_chars))
+        if cfg.tokenizer_sample_docs:
+            frac = min(frac, 2.0 * cfg.tokenizer_sample_docs / n_kept)
         sample = tokenizer_sample(sample_fn(frac), cfg.tokenizer_sample_docs)
         log(f"prepare: training the tokenizer on {len(sample):,} documents")
     tok, eot_id = make_tokenizer(sample)
@@ -267,7 +255,7 @@ def _run_local(cfg, src: Sources, out: str, make_tokenizer, log) -> dict:
     kw = _stage_kwargs(cfg, src)
     with _Reporter(prog.snapshot, log):
         raw = [_builtin_table(src.builtin)]
-        raw += [_read_batch(pa.table({"uri": [u]}), **_read_kw(cfg)) for u in src.uris]
+        raw += [_read_batch(pa.Table.from_pylist([u]), **_read_kw(cfg)) for u in src.units]
         raw = pa.concat_tables(raw)
         S = pa.concat_tables([stages.normalise_batch(raw.slice(i, NORMALISE_BATCH), progress=prog, **kw)
                               for i in range(0, max(raw.num_rows, 1), NORMALISE_BATCH)])
@@ -347,8 +335,8 @@ def _run_ray(cfg, src: Sources, out: str, make_tokenizer, log) -> dict:
     kw = _stage_kwargs(cfg, src)
     with _Reporter(lambda: ray.get(actor.snapshot.remote(), timeout=10), log):
         pieces = []
-        if src.uris:
-            pieces.append(ray.data.from_items([{"uri": u} for u in src.uris], override_num_blocks=len(src.uris))
+        if src.units:
+            pieces.append(ray.data.from_items(src.units, override_num_blocks=len(src.units))
                           .map_batches(functools.partial(_read_batch, **_read_kw(cfg)), batch_size=1,
                                        batch_format="pyarrow"))
         if src.builtin:

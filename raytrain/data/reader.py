@@ -211,12 +211,19 @@ class PlannedReader:
             self.rows_read += len(rows)
         return rows
 
+    def _skip(self, uri: str) -> bool:
+        """Counts a bad shard once, however many reader threads meet it at once (two epochs' loads can)."""
+        with self._lock:
+            if uri in self.skipped:
+                return False
+            self.skipped.append(uri)
+            return True
+
     def _substitute(self, epoch: int, u: int, e: BadUnit) -> np.ndarray:
         """A skipped unit's places are filled from the next readable unit in the epoch's order: a function of
         the data and the plan alone, so every rank that reads either unit fills them alike, at any N."""
-        if e.uri not in self.skipped:
+        if self._skip(e.uri):
             logging.getLogger("raytrain").warning("skipping unreadable shard %s (%s)", e.uri, e.reason)
-            self.skipped.append(e.uri)
         order, _ = self.plan.epoch_order(epoch)
         j = int(np.flatnonzero(order == u)[0])
         for k in range(1, len(order)):
@@ -224,8 +231,7 @@ class PlannedReader:
             try:
                 rows = read_unit(self.split, self.plan.units[cand], self.counter, np.int32)
             except BadUnit as e2:
-                if e2.uri not in self.skipped:
-                    self.skipped.append(e2.uri)
+                self._skip(e2.uri)
                 continue
             with self._lock:
                 self.rows_read += len(rows)

@@ -82,10 +82,13 @@ def normalise_batch(batch: pa.Table, *, min_chars: int, max_doc_chars: int, near
 
 
 def count_batch(batch: pa.Table) -> pa.Table:
-    """Per-block counts of drop reasons and replaced UTF-8 (summed on the driver)."""
+    """Per-block counts of drop reasons ("" for kept) and replaced UTF-8, and the kept documents' characters
+    (summed on the driver)."""
     c = Counter(batch.column("reason").to_pylist())
     c["invalid_utf8_replaced"] = int(pc.sum(batch.column("replaced")).as_py() or 0)
-    return pa.table({"what": list(c), "n": [int(v) for v in c.values()]})
+    chars = int(pc.sum(pc.utf8_length(batch.column("text"))).as_py() or 0)  # dropped documents' text is ""
+    return pa.table({"what": list(c), "n": [int(v) for v in c.values()],
+                     "chars": [chars if w == "" else 0 for w in c]})
 
 
 def explode_bands(batch: pa.Table, *, n_groups: int) -> pa.Table:
