@@ -216,3 +216,21 @@ def test_two_node_cluster_job_from_and_to_s3_gives_the_same_bytes(s3_corpus, ref
         tasks = json.loads(resp.read())["data"]["result"]["result"]
     used = {t["node_id"] for t in tasks if t.get("node_id") and "Map" in (t.get("name") or "")}
     assert used == {n["node_id"] for n in nodes}, (used, [(t.get("name"), t.get("node_id")) for t in tasks][:20])
+
+
+def test_too_little_spill_disk_fails_before_any_work_and_tight_disk_warns(tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    lines = []
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(0, 0, 3 << 30))
+    pipeline.check_spill_space(1 << 30, lines.append)  # 3 GB free for 1 GB of input: tight
+    assert len(lines) == 1 and "warning: 3.0 GB free in " + str(tmp_path) in lines[0] and "about 4.0 GB" in lines[0]
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(0, 0, 1 << 30))
+    with pytest.raises(pipeline.UserError, match="1.0 GB free in .*set RAY_TMPDIR to a directory on a larger disk"):
+        pipeline.check_spill_space(1 << 30, lines.append)
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(0, 0, 8 << 30))
+    pipeline.check_spill_space(1 << 30, lines.append)
+    assert len(lines) == 1

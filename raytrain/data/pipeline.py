@@ -15,6 +15,8 @@ import functools
 import json
 import logging
 import math
+import os
+import shutil
 import threading
 import time
 from collections import Counter
@@ -37,6 +39,7 @@ TOKENIZER_SAMPLE_CHARS = 200 << 20  # a cap on the tokenizer sample however larg
 # instead of Ray's four each, which otherwise stay alive each mapping the whole store (measured, 1 GB corpus:
 # whole-tree RSS 5.3 GB with 1 GiB store and 4 IO workers, 3.9 GB with this; 64 MB corpus: 2.9 GB either way).
 LOCAL_RAY = {"object_store_memory": 256 << 20, "_system_config": {"max_io_workers": 1}}
+SPILL_FACTOR = 4  # disk a local instance needs for spilled blocks, per byte of input (measured 4.1 at 1 GB)
 NORMALISE_BATCH = 2048
 # Ray Data's shuffle (SHUFFLE_V2) coalesces up to 1 GiB of input blocks per node into ONE map task by default:
 # that task's memory then grows with the corpus up to 1 GiB and more (measured: 2.9x the peak memory for 16x the
@@ -214,12 +217,39 @@ def run(cfg, out: str, make_tokenizer: Callable[[Optional[list[str]]], tuple], l
     if engine == "auto":
         # Small inputs in this process even on a cluster: starting the pipeline costs more than they take.
         engine = "ray" if src.bytes >= LOCAL_MAX_BYTES else "local"
+    if engine == "ray" and not os.environ.get("RAY_ADDRESS"):
+        import ray
+
+        if not ray.is_initialized():  # a local instance is about to start: its disk must hold the spills
+            check_spill_space(src.bytes, log)
     ray_engine = use_ray(engine, LOCAL_RAY)
     log(f"prepare: {src.n_files + (1 if src.builtin else 0)} input(s) in {len(src.units) + (1 if src.builtin else 0)} "
         f"read unit(s), {src.bytes / 2**20:.1f} MB, "
         f"{src.n_parts} partition(s), engine {'ray' if ray_engine else 'local'}")
     with user_errors_from_ray():
         return (_run_ray if ray_engine else _run_local)(cfg, src, out, make_tokenizer, log)
+
+
+def spill_dir() -> str:
+    """Where a local Ray instance spills object-store blocks: its temp directory, chosen as Ray chooses it."""
+    return os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or "/tmp"
+
+
+def check_spill_space(nbytes: int, log) -> None:
+    """Fails before any work when the spill disk cannot hold what the pipeline parks there (measured: 4.1x the
+    input at 1 GB, docs/BENCHMARKS.md); warns when it is tight. Running out midway loses hours, not seconds."""
+    where = spill_dir()
+    try:
+        free = shutil.disk_usage(where).free
+    except OSError:
+        return  # Ray will say what is wrong with its temp directory
+    need = SPILL_FACTOR * nbytes
+    msg = (f"{free / 2**30:.1f} GB free in {where}, where Ray spills the pipeline's blocks; {nbytes / 2**30:.1f} GB "
+           f"of input needs about {need / 2**30:.1f} GB there")
+    if free < need / 2:
+        raise UserError(f"prepare: {msg}: free space, or set RAY_TMPDIR to a directory on a larger disk")
+    if free < need:
+        log(f"prepare: warning: {msg}; it may run out midway")
 
 
 def _read_kw(cfg) -> dict:
