@@ -5,7 +5,8 @@ For each size (--mb, default 64 and 1024): a corpus from scripts/gen_corpus.py, 
 process per engine (engine=local: this checkout in one process; engine=ray: a fresh local Ray instance, all
 CPUs; --baseline-src DIR also runs another checkout's engine=local, e.g. the pre-pipeline code). Reported: wall
 time, MB/s of input, peak RSS summed over the whole process tree (driver, raylet, GCS, workers; sampled every
-0.5 s; and the sum of PSS, which counts shared pages once), the machine's load average during the run, and from the run's report the exact / near duplicates removed
+0.5 s; and the sum of PSS, which counts shared pages once; the largest processes at the peak), disk used under Ray's
+temp directory (spills), the machine's load average during the run, and from the run's report the exact / near duplicates removed
 against those planted. Near-duplicate recall is per planted pair: a pair is found when its two documents share
 an LSH bucket under the pipeline's own signatures and bands (what makes the pipeline drop one of them); the near
 duplicates the run removed beyond the pairs found are counted as unique documents removed (an upper bound).
@@ -33,26 +34,39 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+SPILL_DIR = os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or "/tmp"  # where a local Ray spills
 
 
-def tree_memory(pid: int) -> tuple[int, int]:
-    """(sum of RSS, sum of PSS) over the process and its descendants. RSS counts the object store's shared pages
-    once per process that touched them; PSS shares them out, so its sum is the tree's real footprint."""
+def tree_memory(pid: int) -> tuple[int, int, list]:
+    """(sum of RSS, sum of PSS, per process [(RSS MB, own MB, object-store MB, name)]) over the process and its
+    descendants. RSS counts the object store's shared pages once per process that maps them; PSS shares them
+    out, so its sum is the tree's real footprint."""
     import psutil
 
     try:
         p = psutil.Process(pid)
         procs = [p, *p.children(recursive=True)]
     except psutil.NoSuchProcess:
-        return 0, 0
+        return 0, 0, []
     rss = pss = 0
+    rows = []
     for q in procs:
         try:
             m = q.memory_full_info()
             rss, pss = rss + m.rss, pss + m.pss
+            rows.append((m.rss >> 20, m.uss >> 20, _shmem(q.pid) >> 20, (" ".join(q.cmdline()[:2]) or q.name())[-48:]))
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
-    return rss, pss
+    return rss, pss, sorted(rows, reverse=True)
+
+
+def _shmem(pid: int) -> int:
+    """Shared-memory pages this process maps (on Linux: RssShmem, the object store's pages it has touched)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next((int(x.split()[1]) << 10 for x in f if x.startswith("RssShmem:")), 0)
+    except OSError:
+        return 0
 
 
 def run_prepare(src: Path, corpus: Path, out: Path, engine: str, timeout: float, json_flag: bool = True,
@@ -64,10 +78,13 @@ def run_prepare(src: Path, corpus: Path, out: Path, engine: str, timeout: float,
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=str(src),
                             start_new_session=True)
-    peak, peak_pss, loads = 0, 0, []
+    peak, peak_pss, loads, at_peak, disk0, disk = 0, 0, [], [], shutil.disk_usage(SPILL_DIR).used, 0
     while proc.poll() is None:
-        rss, pss = tree_memory(proc.pid)
-        peak, peak_pss = max(peak, rss), max(peak_pss, pss)
+        rss, pss, procs = tree_memory(proc.pid)
+        if rss > peak:
+            peak, at_peak = rss, procs
+        peak_pss = max(peak_pss, pss)
+        disk = max(disk, shutil.disk_usage(SPILL_DIR).used - disk0)  # spills (and shards, if out is there)
         loads.append(os.getloadavg()[0])
         if time.monotonic() - t0 > timeout:
             proc.kill()
@@ -80,7 +97,8 @@ def run_prepare(src: Path, corpus: Path, out: Path, engine: str, timeout: float,
     text = out_s.decode()
     report = json.loads(text[text.index("{"):])
     return {"wall_s": round(wall, 1), "peak_rss_mb": round(peak / 2**20),
-            "peak_pss_mb": round(peak_pss / 2**20), "filters": report.get("filters", {}),
+            "peak_pss_mb": round(peak_pss / 2**20), "disk_mb": round(disk / 2**20), "at_peak": at_peak[:12],
+            "filters": report.get("filters", {}),
             "load_avg": f"{min(loads, default=0):.1f}-{max(loads, default=0):.1f}"}
 
 
@@ -152,21 +170,25 @@ def main() -> int:
                     r["unique_removed_pct"] = round(100 * r["unique_removed_max"] / max(1, info["unique"]), 3)
                 r.pop("filters", None)
                 results.append(r)
-                print(json.dumps(r), flush=True)
+                print(json.dumps({k: v for k, v in r.items() if k != "at_peak"}), flush=True)
             shutil.rmtree(d, ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    print("\n| corpus | code | engine | wall s | MB/s | peak RSS (tree) MB | peak PSS (tree) MB | load avg | exact removed / planted | "
+    print("\n| corpus | code | engine | wall s | MB/s | peak RSS (tree) MB | peak PSS (tree) MB | disk MB | load avg | exact removed / planted | "
           "near removed / planted | near pairs found | unique docs removed (max) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
         print(f"| {r['mb']:g} MB | {r['code']} | {r['engine']} | {r['wall_s']} | {r['mb_per_s']} | "
-              f"{r.get('peak_rss_mb', '-')} | {r.get('peak_pss_mb', '-')} | {r.get('load_avg', '-')} | {r.get('exact_removed')} / {r['planted_exact']} | "
+              f"{r.get('peak_rss_mb', '-')} | {r.get('peak_pss_mb', '-')} | {r.get('disk_mb', '-')} | {r.get('load_avg', '-')} | {r.get('exact_removed')} / {r['planted_exact']} | "
               f"{r.get('near_removed')} / {r['planted_near']} | {r.get('near_recall', '-')} | "
               f"{r.get('unique_removed_max', '-')} ({r.get('unique_removed_pct', '-')} %) |")
     ok = [r for r in results if "error" not in r]
     ray = sorted((r for r in ok if r["code"] == "this" and r["engine"] == "ray"), key=lambda r: r["mb"])
     single = [r for r in ok if r["engine"] == "local" and r["code"] == ("baseline" if a.baseline_src else "this")]
+    for r in ray[-1:]:
+        print(f"\nat the peak of ray {r['mb']:g} MB, the largest processes (RSS MB, own MB, object store MB, name):")
+        for row in r.get("at_peak", []):
+            print(f"  {row[0]:>6} {row[1]:>6} {row[2]:>6}  {row[3]}")
     if len(ray) >= 2:
         print(f"\npeak RSS, ray: {ray[-1]['mb']:g} MB / {ray[0]['mb']:g} MB = "
               f"{ray[-1]['peak_rss_mb'] / ray[0]['peak_rss_mb']:.2f}x (target <= 1.5x); peak PSS: "
