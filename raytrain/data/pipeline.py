@@ -82,6 +82,7 @@ class _Reporter:
         self._seen: dict[str, int] = {}
 
     def __enter__(self):
+        self._t0 = time.monotonic()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
         return self
@@ -99,12 +100,23 @@ class _Reporter:
         self._seen.update({k: v[0] for k, v in moved})
         if moved:
             self.log("prepare: " + "; ".join(
-                f"{stage} {docs:,} documents, {nbytes / 2**20:.1f} MB"
+                f"{stage} {docs:,} {'sequences' if stage == 'write' else 'documents'}, {nbytes / 2**20:.1f} MB"
                 + (f", {nbytes / 2**20 / dt:.1f} MB/s" if dt > 1 else "") for stage, (docs, nbytes, dt) in moved))
+
+    def say(self, msg: str) -> None:
+        """A stage line, after the figures of the stages before it (so the log reads in order)."""
+        self._catch_up()
+        self.log(msg)
+
+    def _catch_up(self) -> None:
+        if time.monotonic() - self._t0 >= self.every:  # a run of a few seconds needs no figures on the way
+            self.tick()
 
     def __exit__(self, *exc):
         self._stop.set()
         self._thread.join()
+        if exc[0] is None:
+            self._catch_up()  # the last figures
 
 
 class Sources:
@@ -283,7 +295,8 @@ def _finish(cfg, src, counts_rows, make_tokenizer, sample_fn, log):
 def _run_local(cfg, src: Sources, out: str, make_tokenizer, log) -> dict:
     prog = Progress()
     kw = _stage_kwargs(cfg, src)
-    with _Reporter(prog.snapshot, log):
+    with _Reporter(prog.snapshot, log) as rep:
+        log = rep.say
         raw = [_builtin_table(src.builtin)]
         raw += [_read_batch(pa.Table.from_pylist([u]), **_read_kw(cfg)) for u in src.units]
         raw = pa.concat_tables(raw)
@@ -363,7 +376,8 @@ def _run_ray(cfg, src: Sources, out: str, make_tokenizer, log) -> dict:
     actor = ray.remote(Progress).options(num_cpus=0).remote()
     prog = _ActorProgress(actor)
     kw = _stage_kwargs(cfg, src)
-    with _Reporter(lambda: ray.get(actor.snapshot.remote(), timeout=10), log):
+    with _Reporter(lambda: ray.get(actor.snapshot.remote(), timeout=10), log) as rep:
+        log = rep.say
         pieces = []
         if src.units:
             pieces.append(ray.data.from_items(src.units, override_num_blocks=len(src.units))
