@@ -34,7 +34,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-SPILL_DIR = os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or "/tmp"  # where a local Ray spills
+
+
+from raytrain.data.pipeline import spill_dir  # noqa: E402 - where a local Ray spills
 
 
 def tree_memory(pid: int) -> tuple[int, int, list]:
@@ -78,13 +80,13 @@ def run_prepare(src: Path, corpus: Path, out: Path, engine: str, timeout: float,
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=str(src),
                             start_new_session=True)
-    peak, peak_pss, loads, at_peak, disk0, disk = 0, 0, [], [], shutil.disk_usage(SPILL_DIR).used, 0
+    peak, peak_pss, loads, at_peak, disk0, disk = 0, 0, [], [], shutil.disk_usage(spill_dir()).used, 0
     while proc.poll() is None:
         rss, pss, procs = tree_memory(proc.pid)
         if rss > peak:
             peak, at_peak = rss, procs
         peak_pss = max(peak_pss, pss)
-        disk = max(disk, shutil.disk_usage(SPILL_DIR).used - disk0)  # spills (and shards, if out is there)
+        disk = max(disk, shutil.disk_usage(spill_dir()).used - disk0)  # spills (and shards, if out is there)
         loads.append(os.getloadavg()[0])
         if time.monotonic() - t0 > timeout:
             proc.kill()

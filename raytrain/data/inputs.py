@@ -95,16 +95,10 @@ def read_file(uri: str, text_field: str = "text", text_mode: str = "file", inval
     k = kind(uri)
     if k == "parquet":
         return _read_parquet(uri, text_field, start, stop)
-    if stop < 0:
-        try:
-            data, first = storage.read_bytes(uri), 0
-        except UserError as e:
-            raise UserError(f"input {uri}: cannot read it ({e})") from None
-    else:
-        try:
-            data, first = storage.read_line_range(uri, start, stop)
-        except UserError as e:
-            raise UserError(f"input {uri}: cannot read it ({e})") from None
+    try:
+        data, first = (storage.read_bytes(uri), 0) if stop < 0 else storage.read_line_range(uri, start, stop)
+    except UserError as e:
+        raise UserError(f"input {uri}: cannot read it ({e})") from None
     if k == "text" and text_mode == "file":
         return [_decode(data, invalid_utf8)]
 
@@ -184,8 +178,9 @@ def _user_error_in(err: BaseException) -> Optional[str]:
     return None
 
 
-def use_ray(engine: str, local_init: Optional[dict] = None) -> bool:
-    """Whether to run on Ray, connecting first if needed; local_init: ray.init arguments for a fresh local instance."""
+def use_ray(engine: str, local_init: Optional[dict] = None, before_local_start=None) -> bool:
+    """Whether to run on Ray, connecting first if needed. For a fresh local instance: before_local_start() is
+    called first (it may refuse with a UserError), then ray.init gets local_init's arguments."""
     if engine == "local":
         return False  # without importing ray (a second of start-up)
     import ray
@@ -207,6 +202,10 @@ def use_ray(engine: str, local_init: Optional[dict] = None) -> bool:
         # RAY_ADDRESS's cluster when set; otherwise a fresh local instance, never a stray cluster that
         # an earlier `ray start` on this machine left behind (ray.init() alone would try to join it).
         address = os.environ.get("RAY_ADDRESS") or "local"
-        kw = dict(local_init or {}) if address == "local" else {}
+        kw = {}
+        if address == "local":
+            if before_local_start is not None:
+                before_local_start()
+            kw = dict(local_init or {})
         ray.init(address=address, log_to_driver=False, include_dashboard=False, logging_level="ERROR", **kw)
     return True

@@ -37,7 +37,7 @@ TOKENIZER_SAMPLE_CHARS = 200 << 20  # a cap on the tokenizer sample however larg
 # A local Ray instance started by prepare. Every process that touches the object store maps its pages, so its
 # size counts once per such process: small (above it, blocks spill to disk), and one spill and one restore worker
 # instead of Ray's four each, which otherwise stay alive each mapping the whole store (measured, 1 GB corpus:
-# whole-tree RSS 5.3 GB with 1 GiB store and 4 IO workers, 3.9 GB with this; 64 MB corpus: 2.9 GB either way).
+# whole-tree RSS 5.3 GB with Ray's 4 IO workers of each kind, 3.9 GB with one; 64 MB corpus: 2.9-3.0 GB either way).
 LOCAL_RAY = {"object_store_memory": 256 << 20, "_system_config": {"max_io_workers": 1}}
 SPILL_FACTOR = 4  # disk a local instance needs for spilled blocks, per byte of input (measured 4.1 at 1 GB)
 NORMALISE_BATCH = 2048
@@ -229,12 +229,8 @@ def run(cfg, out: str, make_tokenizer: Callable[[Optional[list[str]]], tuple], l
     if engine == "auto":
         # Small inputs in this process even on a cluster: starting the pipeline costs more than they take.
         engine = "ray" if src.bytes >= LOCAL_MAX_BYTES else "local"
-    if engine == "ray" and not os.environ.get("RAY_ADDRESS"):
-        import ray
-
-        if not ray.is_initialized():  # a local instance is about to start: its disk must hold the spills
-            check_spill_space(src.bytes, log)
-    ray_engine = use_ray(engine, LOCAL_RAY)
+    # A local instance's disk must hold the spills: checked before it starts.
+    ray_engine = use_ray(engine, LOCAL_RAY, before_local_start=lambda: check_spill_space(src.bytes, log))
     log(f"prepare: {src.n_files + (1 if src.builtin else 0)} input(s) in {len(src.units) + (1 if src.builtin else 0)} "
         f"read unit(s), {src.bytes / 2**20:.1f} MB, "
         f"{src.n_parts} partition(s), engine {'ray' if ray_engine else 'local'}")
