@@ -212,3 +212,12 @@ def param_counts(model: torch.nn.Module, cfg: ModelConfig) -> tuple[int, int]:
 def flops_per_token(n_params: int, cfg: ModelConfig) -> float:
     """Training FLOPs per token: 6N for the weights plus attention's 12 * layers * hidden * seq_len (PaLM, App. B)."""
     return 6.0 * n_params + 12.0 * cfg.n_layer * cfg.hidden_size * cfg.seq_len
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    # No decay on biases, norms and embeddings' 1-D params: the usual GPT recipe.
+    decay, no_decay = [], []
+    for _, p in model.named_parameters():
+        if p.requires_grad:
+            (decay if len(getattr(p, "ds_shape", p.shape)) >= 2 else no_decay).append(p)  # ds_shape: ZeRO-3
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]

@@ -38,7 +38,7 @@ def _worker(rank: int, world: int, port: int, cfg_dict: dict, split_dict: dict, 
     from raytrain.config import Config
     from raytrain.ds_config import lr_lambda
     from raytrain.model import build_model, compile_engine
-    from raytrain.worker.loop import _param_groups
+    from raytrain.model import param_groups
 
     cfg = Config.model_validate(cfg_dict)
     torch.set_num_threads(max(1, int(cfg.scaling.cpus_per_worker)))
@@ -58,12 +58,12 @@ def _worker(rank: int, world: int, port: int, cfg_dict: dict, split_dict: dict, 
         from raytrain.ds_config import build_ds_config
 
         engine, _, _, _ = deepspeed.initialize(
-            model=model, model_parameters=_param_groups(model, o.weight_decay),
+            model=model, model_parameters=param_groups(model, o.weight_decay),
             config=build_ds_config(cfg, world, "fp32", False), dist_init_required=False,
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg)))
         compile_engine(engine, cfg.model)  # model.compile, as raytrain's loop does it
     else:
-        opt = torch.optim.AdamW(_param_groups(model, o.weight_decay), lr=o.lr, betas=tuple(o.betas), eps=o.eps)
+        opt = torch.optim.AdamW(param_groups(model, o.weight_decay), lr=o.lr, betas=tuple(o.betas), eps=o.eps)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
         if world > 1:
             model = torch.nn.parallel.DistributedDataParallel(model)
@@ -130,7 +130,7 @@ def deepspeed_gpu_loop(cfg, vocab: int, steps: int, warmup: int) -> float:
 
     from raytrain.ds_config import build_ds_config
     from raytrain.model import build_model
-    from raytrain.worker.loop import _param_groups
+    from raytrain.model import param_groups
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
@@ -140,7 +140,7 @@ def deepspeed_gpu_loop(cfg, vocab: int, steps: int, warmup: int) -> float:
     deepspeed.init_distributed("nccl")
     model = build_model(cfg.model, vocab, cfg.run.seed)
     ds = build_ds_config(cfg, 1, "bf16", True)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=_param_groups(model, cfg.optim.weight_decay),
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model, cfg.optim.weight_decay),
                                            config=ds, dist_init_required=False)
     mb, seq = cfg.batch.micro_batch_size, cfg.model.seq_len
     x = torch.randint(0, vocab, (mb, seq + 1), device=engine.device)

@@ -36,7 +36,7 @@ from raytrain.config import load_config
 from raytrain.ds_config import build_ds_config
 from raytrain.model import build_model, param_count
 from raytrain.worker.evaluate import lm_loss
-from raytrain.worker.loop import _param_groups
+from raytrain.model import param_groups
 over = json.loads(sys.argv[1])
 torch.set_num_threads(1)
 dist.init_process_group("gloo")
@@ -52,7 +52,7 @@ kw = {"ds_config": ds} if "ds_config" in inspect.signature(build_model).paramete
 model = build_model(cfg.model, cfg.model.vocab_size, 0, **kw)
 after_build = psutil.Process().memory_info().rss
 n = param_count(model)
-engine, *_ = deepspeed.initialize(model=model, model_parameters=_param_groups(model, 0.1), config=ds,
+engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, 0.1), config=ds,
                                   dist_init_required=False)
 torch.manual_seed(rank)
 x = torch.randint(0, cfg.model.vocab_size, (1, cfg.model.seq_len + 1))

@@ -23,7 +23,7 @@ from raytrain.data.manifest import Split
 from raytrain.quiet import no_stdout, quiet_worker
 from raytrain.ds_config import build_ds_config, lr_lambda, resolve_dtype
 from raytrain.errors import UserError
-from raytrain.model import build_model, compile_engine, flops_per_token, moe_aux_loss, param_counts
+from raytrain.model import build_model, param_groups, compile_engine, flops_per_token, moe_aux_loss, param_counts
 from raytrain.worker import checkpoint as ckpt
 from raytrain.worker.comm import FAILURE_FILE as COMM_FAILURE_FILE, CommWatch
 from raytrain.worker.data_plane import DataPlane
@@ -32,15 +32,6 @@ from raytrain.worker.interval import CheckpointInterval, run_history
 from raytrain.worker.preemption import PreemptionNotice
 from raytrain.worker.runlog import SUMMARY, Heartbeat, RunLog, progress_every, record_attempt, say
 from raytrain.worker.telemetry import Telemetry, nan_hook, oom_guard, rollback
-
-
-def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    # No decay on biases, norms and embeddings' 1-D params: the usual GPT recipe.
-    decay, no_decay = [], []
-    for _, p in model.named_parameters():
-        if p.requires_grad:
-            (decay if len(getattr(p, "ds_shape", p.shape)) >= 2 else no_decay).append(p)  # ds_shape: ZeRO-3
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
 def _to_device(rows: np.ndarray, device: torch.device, pin: bool) -> torch.Tensor:
@@ -108,7 +99,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     with no_stdout():
         engine, _, _, _ = deepspeed.initialize(
             model=model,
-            model_parameters=_param_groups(model, cfg.optim.weight_decay),
+            model_parameters=param_groups(model, cfg.optim.weight_decay),
             config=ds_config,
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg)),
             dist_init_required=False,
