@@ -206,7 +206,7 @@ class MetricsSection(_Section):
     prometheus: bool = Field(True, description="export raytrain_* series through Ray's metrics API (Ray's Prometheus endpoint, labels run/worker)")
     tensorboard: bool = Field(False, description="also write TensorBoard event files to <run>/tensorboard/")
     peak_tflops: Optional[float] = Field(None, gt=0.0, description="peak TFLOP/s of one worker's device for MFU; null: the GPU table in worker/telemetry.py, or cpu_peak_tflops on CPU")
-    cpu_peak_tflops: float = Field(0.1, gt=0.0, description="nominal peak TFLOP/s of one CPU worker (MFU on CPU is only indicative)")
+    cpu_peak_tflops: Optional[float] = Field(None, gt=0.0, description="peak TFLOP/s of one CPU worker for MFU; null: measured at start-up by a short fp32 matmul probe on the worker's threads, cached per machine in ~/.cache/raytrain/cpu_peak.json")
 
 
 class HealthSection(_Section):

@@ -11,7 +11,7 @@ import logging
 import os
 from typing import Callable, Optional
 
-from raytrain import storage
+from raytrain import faults, storage
 from raytrain.config import Config
 from raytrain.data.manifest import Split, load_split
 from raytrain.errors import UserError
@@ -189,23 +189,11 @@ def _trainer_class():
     return _TorchTrainer
 
 
-def _env_inject() -> Optional[dict]:
-    import json
-
-    text = os.environ.get("RAYTRAIN_FAULT_INJECT")
-    if not text:
-        return None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise UserError(f"RAYTRAIN_FAULT_INJECT is not JSON ({e}); unset it, or see worker/loop.py _crash_hook") from None
-
-
 def train(cfg: Config, log: Callable[[str], None] = print, inject: Optional[dict] = None,
           callbacks: Optional[list] = None) -> dict:
     """Run (or resume) a training run to run.max_steps. Returns the run's summary.json contents.
 
-    `inject` is the fault-injection hook (see worker.loop._crash_hook), for tests and chaos drills; a job
+    `inject` is the fault-injection hook (see raytrain/faults.py), for tests and chaos drills; a job
     submitted with `ray job submit` can pass it as JSON in RAYTRAIN_FAULT_INJECT.
     `callbacks` are Ray Train callbacks for the run, e.g. Tune's TuneReportCallback when the run is a
     sweep trial (raytrain.sweep): every metrics report of the workers then reaches the Tune trial.
@@ -242,7 +230,7 @@ def train(cfg: Config, log: Callable[[str], None] = print, inject: Optional[dict
         train_loop_per_worker,
         train_loop_config={"config": cfg.to_dict(), "train_split": train_split.to_dict(),
                            "val_split": val_split.to_dict() if val_split else None,
-                           "inject": inject if inject is not None else _env_inject()},
+                           "inject": inject if inject is not None else faults.from_env()},
         torch_config=TorchConfig(backend="nccl" if s.use_gpu else "gloo", timeout_s=s.collective_timeout_s),
         scaling_config=ScalingConfig(num_workers=s.num_workers, use_gpu=s.use_gpu, resources_per_worker=resources),
         run_config=RunConfig(

@@ -9,7 +9,7 @@ from raytrain import storage
 from raytrain.errors import UserError
 from raytrain.config import load_config
 from raytrain.trainer import train
-from raytrain.worker.interval import CheckpointInterval, run_history, young_daly_s
+from raytrain.worker.interval import FixedCadence, YoungDalyCadence, run_history, young_daly_s
 from tests.conftest import tiny_cfg
 
 
@@ -18,7 +18,7 @@ def test_young_daly_and_the_failure_rate_estimate(monkeypatch):
     clock = {"wall": 1000.0, "mono": 50.0}
     monkeypatch.setattr("raytrain.worker.interval.time.time", lambda: clock["wall"])
     monkeypatch.setattr("raytrain.worker.interval.time.monotonic", lambda: clock["mono"])
-    iv = CheckpointInterval("auto", mtbf_s=3600.0, initial_cost_s=2.0, run_started=1000.0, restarts=0)
+    iv = YoungDalyCadence(mtbf_s=3600.0, initial_cost_s=2.0, run_started=1000.0, restarts=0)
     # Nothing measured, nothing seen: the prior alone.
     assert iv.mtbf_s == 3600.0 and iv.interval_s == pytest.approx(120.0)
     assert not iv.due(1)
@@ -32,11 +32,11 @@ def test_young_daly_and_the_failure_rate_estimate(monkeypatch):
     # An hour of wall time without interruptions raises the estimate; a restart lowers it.
     clock["wall"] += 3600.0
     assert iv.mtbf_s == pytest.approx(7200.0)
-    after_restart = CheckpointInterval("auto", 3600.0, 2.0, run_started=1000.0, restarts=3)
+    after_restart = YoungDalyCadence(mtbf_s=3600.0, initial_cost_s=2.0, run_started=1000.0, restarts=3)
     assert after_restart.mtbf_s == pytest.approx(7200.0 / 4)
-    no_restart = CheckpointInterval("auto", 3600.0, 2.0, run_started=1000.0, restarts=0)
+    no_restart = YoungDalyCadence(mtbf_s=3600.0, initial_cost_s=2.0, run_started=1000.0, restarts=0)
     assert after_restart.interval_s == pytest.approx(no_restart.interval_s / 2)
-    fixed = CheckpointInterval(5, 3600.0, 2.0)
+    fixed = FixedCadence(5)
     assert [s for s in range(1, 16) if fixed.due(s)] == [5, 10, 15] and "every 5 steps" in fixed.describe()
 
 
@@ -47,6 +47,7 @@ def test_agreement_flags_are_reduced_where_the_backend_can(monkeypatch):
     import torch.distributed as dist
 
     from raytrain.worker.preemption import PreemptionNotice
+    from raytrain.worker.verdict import StepAgreement
 
     seen = []
 
@@ -55,14 +56,17 @@ def test_agreement_flags_are_reduced_where_the_backend_can(monkeypatch):
         t[3] = 1  # another rank asked for a checkpoint (the flags ride on the loss all-reduce)
 
     monkeypatch.setattr(dist, "all_reduce", all_reduce)
-    notice = PreemptionNotice(0, 2, enabled=False, carry_checkpoint=True, device=torch.device("meta"))
+    cadence = YoungDalyCadence(mtbf_s=1e9, initial_cost_s=1.0)  # rank 0's own clock says "not yet"
+    agreement = StepAgreement(notice=PreemptionNotice(0, enabled=False), cadence=cadence, rank=0, world=2,
+                              device=torch.device("meta"))
     with pytest.raises(NotImplementedError):  # a meta tensor has no values to read back; its device is the point
-        notice.agree(torch.zeros((), device="meta"), 2)
+        agreement.agree(torch.zeros((), device="meta"), 1)
     assert seen == [torch.device("meta")]
     seen.clear()
-    notice = PreemptionNotice(0, 2, enabled=False, carry_checkpoint=True)
-    assert notice.agree(torch.tensor(3.0), 2) == 1.5  # the loss's mean over the 2 ranks
-    assert notice.checkpoint_agreed and notice.take() is None and seen == [torch.device("cpu")]
+    agreement = StepAgreement(notice=PreemptionNotice(0, enabled=False), cadence=cadence, rank=0, world=2)
+    verdict = agreement.agree(torch.tensor(3.0), 1)
+    assert verdict.loss == 1.5  # the loss's mean over the 2 ranks
+    assert verdict.checkpoint_now and verdict.preempted is None and seen == [torch.device("cpu")]
 
 
 def test_run_history_counts_earlier_attempts_and_ignores_a_torn_line(tmp_path):

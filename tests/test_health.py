@@ -120,6 +120,8 @@ def test_oom_message_names_sizes_and_a_smaller_setting():
 def test_peak_table_and_override():
     cfg = load_config("tiny", [])
     assert peak_tflops(cfg, "NVIDIA H200") == 989.0 and peak_tflops(cfg, "NVIDIA A100-SXM4-80GB") == 312.0
+    assert 0 < peak_tflops(cfg, None) < 100  # measured on this machine's CPU (a matmul probe), not assumed
+    cfg = load_config("tiny", ["metrics.cpu_peak_tflops=0.1"])
     assert peak_tflops(cfg, None) == cfg.metrics.cpu_peak_tflops
     assert peak_tflops(load_config("tiny", ["metrics.peak_tflops=500"]), "NVIDIA H100") == 500.0
 

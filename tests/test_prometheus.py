@@ -101,7 +101,7 @@ def test_prometheus_scrapes_raytrain_series(tiny_data, tmp_path):
                      "run.name=prom", "model.n_layer=1", "model.hidden_size=32", "model.n_head=2", "model.seq_len=32",
                      "batch.micro_batch_size=4", "optim.lr=3e-3", "optim.warmup_steps=2", "run.log_every=1",
                      "run.eval_every=10", "data.eval_samples=16", "checkpoint.every_n_steps=10", "run.max_steps=30",
-                     "run.max_failures=0", "scaling.data_cpus=2",
+                     "run.max_failures=0", "scaling.data_cpus=2", "metrics.cpu_peak_tflops=0.1",
                      # a threshold every step crosses: the rule fires and its counter reaches Prometheus
                      "health.grad_norm_max=1e-9", "health.grace_steps=0"]
         env = {**os.environ, "RAY_TRAIN_ENABLE_PRINT_PATCH": "0", "RAY_USAGE_STATS_ENABLED": "0",

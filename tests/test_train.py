@@ -178,6 +178,10 @@ def test_sigterm_checkpoints_at_once_and_resumes_identically(ray_cluster, tiny_d
     attempts = [json.loads(x) for x in (tmp_path / "sigterm" / "attempts.jsonl").read_text().splitlines()]
     assert [a["resumed_step"] for a in attempts] == [0, noticed[0]]  # resumed exactly where the notice saved
     assert summary["restarts"] == 1 and summary["steps"] == 12
+    # The preemption survived is counted from its step on, through the restart (the checkpoint carries it).
+    counted = {r["step"]: r["preemptions"] for r in _metrics(cfg.run_uri) if "loss" in r}
+    assert all(n == (1 if step >= noticed[0] else 0) for step, n in counted.items()), counted
+    assert summary["preemptions"] == 1
     got = _losses(cfg.run_uri)
     assert sorted(got) == list(range(1, 13))
     for step in range(1, 13):

@@ -43,6 +43,7 @@ class TrainState:
     tokens_seen: int = 0
     world_size: int = 1
     restarts: int = 0
+    preemptions: int = 0  # preemption notices survived (a checkpoint taken on a drain or SIGTERM)
     global_batch: int = 0  # sequences per step when saved; a resized resume keeps it
 
 

@@ -126,6 +126,18 @@ class CommWatch:
         self._stop.set()
 
 
+def watch_for_run(cfg, *, rank: int, world: int, cuda: bool, count: Callable[[str], None]) -> CommWatch:
+    """The run's watch: a timeout becomes a diagnosis in the run directory (FAILURE_FILE), not a hang."""
+    from raytrain import storage
+
+    comm_file = storage.join(cfg.run_uri, FAILURE_FILE)
+    if rank == 0:
+        storage.delete_file(comm_file)  # an earlier attempt's diagnosis must not explain this one's end
+    return CommWatch(rank, world, "nccl" if cuda else "gloo", cfg.scaling.collective_timeout_s, count=count,
+                     report=lambda msg: storage.write_text(comm_file, msg),
+                     retract=lambda: storage.delete_file(comm_file))
+
+
 def _quietly(fn: Callable[[], None]) -> None:
     try:
         fn()

@@ -17,16 +17,17 @@ from raytrain.data.reader import PlannedReader
 
 
 class DataPlane:
-    def __init__(self, split: Split, seed: int, shuffle: bool, global_batch: int, dp_rank: int, dp_size: int,
-                 position: int, steps_left: int, stall_timeout_s: float = 600.0, on_bad_shard: str = "error",
-                 device="cpu"):
-        self.split, self.global_batch, self.dp_size = split, global_batch, dp_size
-        self.plan = SamplePlan.for_split(split, seed, global_batch, shuffle)
-        self.lanes = self.plan.lanes_of(dp_rank, dp_size)
+    """This rank's lanes of every global batch from `position` on (`data.*` settings), read ahead."""
+
+    def __init__(self, data_cfg, *, split: Split, seed: int, global_batch: int, rank: int, size: int, position: int,
+                 steps_left: int, device="cpu"):
+        self.split, self.global_batch, self.dp_size = split, global_batch, size
+        self.plan = SamplePlan.for_split(split, seed, global_batch, data_cfg.shuffle)
+        self.lanes = self.plan.lanes_of(rank, size)
         self.position = position  # samples of the global stream consumed (a multiple of the global batch)
         self.device = device
         self.reader = PlannedReader(split, self.plan, self.lanes, position // global_batch,
-                                    stall_timeout_s=stall_timeout_s, on_bad_shard=on_bad_shard,
+                                    stall_timeout_s=data_cfg.stall_timeout_s, on_bad_shard=data_cfg.on_bad_shard,
                                     end_step=position // global_batch + steps_left)
         self._step = None
 

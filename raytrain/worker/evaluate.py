@@ -20,8 +20,10 @@ def lm_loss(engine, rows: torch.Tensor, reduction: str = "mean") -> torch.Tensor
 
 
 class Evaluator:
-    def __init__(self, split: Split, n_samples: int, micro_batch: int, rank: int, world: int, device,
-                 on_bad_shard: str = "error"):
+    """Validation loss / perplexity on the first `data.eval_samples` sequences of val (collective)."""
+
+    def __init__(self, data_cfg, *, split: Split, micro_batch: int, rank: int, world: int, device):
+        n_samples, on_bad_shard = data_cfg.eval_samples, data_cfg.on_bad_shard
         # Every rank must run the same number of forward passes (ZeRO-3 gathers weights collectively),
         # so the evaluated set is a whole number of (world x micro_batch) blocks, and each rank reads only
         # its contiguous share of it: validation reads are 1/N per rank, never the whole set on every rank.

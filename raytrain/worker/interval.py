@@ -8,7 +8,7 @@ Under `auto`, C is the mean training stall of this run's checkpoints so far, ear
 (before the first one, an assumed `auto_initial_cost_s`); M is `checkpoint.mtbf_s` until interruptions are seen, then
 (mtbf_s + the run's wall time) / (1 + restarts) - the prior counts as one interval already observed,
 so one early preemption does not make the run checkpoint every step. Rank 0 decides on its own clock
-and the loop's per-step agreement (worker/preemption.py) makes every rank save at the same step.
+and the per-step agreement (worker/verdict.py) makes every rank save at the same step.
 """
 
 from __future__ import annotations
@@ -41,11 +41,38 @@ def run_history(run_uri: str) -> tuple[Optional[float], int]:
     return (min(times) if times else None), len(times)
 
 
-class CheckpointInterval:
-    def __init__(self, every_n_steps: int | str, mtbf_s: float, initial_cost_s: float,
-                 run_started: Optional[float] = None, restarts: int = 0):
-        self.auto = every_n_steps == "auto"
-        self.every = None if self.auto else int(every_n_steps)
+class FixedCadence:
+    """Every N steps: every rank computes the same answer, so nothing needs agreeing."""
+
+    agreed = False  # no vote rides on the step's all-reduce
+
+    def __init__(self, every: int):
+        self.every = every
+
+    def due(self, step: int) -> bool:
+        return step % self.every == 0
+
+    def seed(self, earlier_stalls: list[float]) -> None:
+        pass
+
+    def saved(self, stall_s: float) -> None:
+        pass
+
+    def record(self) -> dict:
+        return {}
+
+    def describe(self) -> str:
+        return f"every {self.every} steps"
+
+
+class YoungDalyCadence:
+    """`auto`: every sqrt(2 C M) seconds of training. Rank 0's clock decides; its vote rides on the step's
+    all-reduce (worker/verdict.py), so every rank saves at the same step."""
+
+    agreed = True
+
+    def __init__(self, *, mtbf_s: float, initial_cost_s: float, run_started: Optional[float] = None,
+                 restarts: int = 0):
         self.prior_mtbf_s, self.restarts = mtbf_s, restarts
         self.run_started = run_started or time.time()
         self.costs: list[float] = []
@@ -65,10 +92,7 @@ class CheckpointInterval:
         return young_daly_s(self.cost_s, self.mtbf_s)
 
     def due(self, step: int) -> bool:
-        """Fixed: every N steps (the same answer on every rank). Auto: rank 0's clock says so; the
-        caller must agree on it across ranks."""
-        if not self.auto:
-            return step % self.every == 0
+        """This rank's clock says so (only rank 0's answer counts: the caller agrees on it across ranks)."""
         return time.monotonic() - self._since >= self.interval_s
 
     def seed(self, earlier_stalls: list[float]) -> None:
@@ -80,8 +104,18 @@ class CheckpointInterval:
         self.costs.append(stall_s)
         self._since = time.monotonic()
 
+    def record(self) -> dict:
+        """What a checkpoint's metrics line says about the cadence."""
+        return {"auto_interval_s": round(self.interval_s, 2)}
+
     def describe(self) -> str:
-        if not self.auto:
-            return f"every {self.every} steps"
         return (f"auto: every {self.interval_s:.0f}s of training (checkpoint cost {self.cost_s:.2f}s, "
                 f"mean time between interruptions {self.mtbf_s / 3600:.2f}h)")
+
+
+def cadence_for(ckpt_cfg, *, run_started: Optional[float], restarts: int):
+    """The policy `checkpoint.every_n_steps` names: a fixed interval or Young-Daly (`auto`)."""
+    if ckpt_cfg.every_n_steps != "auto":
+        return FixedCadence(int(ckpt_cfg.every_n_steps))
+    return YoungDalyCadence(mtbf_s=ckpt_cfg.mtbf_s, initial_cost_s=ckpt_cfg.auto_initial_cost_s,
+                            run_started=run_started, restarts=restarts)

@@ -3,8 +3,9 @@
 Two sources. Ray reports a node being drained for preemption (a spot interruption notice turned into
 a drain by the autoscaler / KubeRay, or `ray drain-node`): Ray Train's watcher writes it into every
 worker's train context, which each rank reads locally. A SIGTERM reaches only the processes on one node,
-so each rank sets a local flag. Both ride on the step's loss all-reduce, so every rank sees them at the
-same step - a checkpoint is collective, so all ranks must decide together - and no rank makes a Ray call.
+so each rank sets a local flag. Both ride on the step's loss all-reduce (worker/verdict.py), so every rank
+sees them at the same step - a checkpoint is collective, so all ranks must decide together - and no rank
+makes a Ray call.
 """
 
 from __future__ import annotations
@@ -15,20 +16,12 @@ import threading
 import time
 from typing import Optional
 
-import torch
-import torch.distributed as dist
-
 from raytrain.worker.runlog import say
 
 
 class PreemptionNotice:
-    def __init__(self, rank: int, world: int, enabled: bool = True, carry_checkpoint: bool = False,
-                 device: torch.device | str = "cpu"):
-        self.rank, self.world, self.enabled = rank, world, enabled
-        self.device = torch.device(device)  # where the flags are reduced: NCCL reduces device tensors only
-        # checkpoint.every_n_steps=auto: rank 0's "checkpoint now" rides on the same all-reduce.
-        self.carry_checkpoint = carry_checkpoint
-        self.checkpoint_agreed = False
+    def __init__(self, rank: int, *, enabled: bool = True):
+        self.rank, self.enabled = rank, enabled
         self.pending: Optional[str] = None
         self._info_broken = False
         self.sigterm = _SIGTERM
@@ -50,27 +43,16 @@ class PreemptionNotice:
             say(f"warning: rank {self.rank}: SIGTERM handler not installed ({_first_line(e)}); only drain "
                 "notices will trigger a preemption checkpoint")
 
-    def agree(self, loss: torch.Tensor, world: int, want_checkpoint: bool = False) -> float:
-        """The step's one collective: the mean of `loss` across ranks, with every rank's flags riding along
-        ([loss, SIGTERM seen here, drain notice seen here, rank 0 wants an automatic checkpoint], summed).
-
+    def flags(self) -> tuple[bool, bool]:
+        """(SIGTERM seen here, drain notice seen here) not yet agreed on: this rank's part of the step's vote.
         No Ray call: Ray Train's preemption watcher pushes a drain notice into every worker's own train
-        context, which is read here locally; the all-reduce makes every rank act on it at the same step.
-        A notice found is kept in `pending` until `take()` (a rollback step does not lose it)."""
-        self.checkpoint_agreed = False
-        watch = self.enabled or self.carry_checkpoint
+        context, which is read here locally."""
         sig = self.enabled and self.sigterm.is_set() and not self._sigterm_seen
         drain = self.enabled and not self._drain_seen and self._local_info() is not None
-        v = loss.detach().float().reshape(1)
-        if watch:
-            v = torch.cat([v, torch.tensor([float(sig), float(drain), float(want_checkpoint)], device=v.device)])
-        if world > 1:
-            dist.all_reduce(v)
-            v = v / world
-        out = v.tolist()
-        if not watch:
-            return out[0]
-        sig, drain, self.checkpoint_agreed = (x > 0 for x in out[1:])
+        return sig, drain
+
+    def heard(self, sig: bool, drain: bool) -> None:
+        """Some rank saw a SIGTERM / a drain (the step's vote): kept in `pending` until `take()`."""
         if sig and not self._sigterm_seen:
             self._sigterm_seen = True
             self.pending = self.pending or "SIGTERM"
@@ -81,7 +63,10 @@ class PreemptionNotice:
             left = f", {info.deadline_ms / 1000 - time.time():.0f}s before the deadline" if info and info.deadline_ms else ""
             ranks = info.preempted_ranks if info is not None else "?"
             self.pending = self.pending or f"node drain for preemption (ranks {ranks}{left})"
-        return out[0]
+
+    def defer(self, reason: Optional[str]) -> None:
+        """A notice taken on a step that was then rolled back: acted on at the next step instead."""
+        self.pending = self.pending or reason
 
     def take(self) -> Optional[str]:
         """The reason of a notice agreed on and not yet acted on, once."""

@@ -153,6 +153,24 @@ class RunLog:
                 return rec[key]
         return None
 
+    def write_summary(self, cfg, state, *, checkpoint: Optional[str], params: int, extra: dict) -> None:
+        """summary.json at the end of the run (rank 0); the driver prints it (format_summary)."""
+        tps = [r["tokens_per_s"] for r in self.history if "tokens_per_s" in r]
+        steady = tps[1:] or tps  # the first window includes warm-up (allocation, first data read)
+        summary = {
+            "run": cfg.run.name, "run_uri": cfg.run_uri, "steps": state.step, "tokens_seen": state.tokens_seen,
+            "final_loss": self.last("loss"), "val_loss": self.last("val_loss"), "val_ppl": self.last("val_ppl"),
+            "initial_val_ppl": self.first("val_ppl"),
+            "tokens_per_s": sum(steady) / len(steady) if steady else None,
+            "params": params, "wall_s": round(time.time() - self.t_start, 2), "restarts": state.restarts,
+            "preemptions": state.preemptions,
+            "checkpoint": storage.join(cfg.run_uri, checkpoint) if checkpoint else None,
+            "mfu": self.last("mfu"),
+            **extra,  # health: rollbacks, violations per rule; data counters
+        }
+        self.sync()
+        storage.write_text(storage.join(cfg.run_uri, SUMMARY), json.dumps(summary, indent=1))
+
 
 class Heartbeat:
     """Rank 0 keeps `{step, step_time, time, stalled, ...}` in the run's progress.json.
@@ -278,3 +296,34 @@ def record_attempt(run_uri: str, rec: dict) -> None:
     uri = storage.join(run_uri, ATTEMPTS)
     old = storage.read_text(uri) if storage.exists(uri) else ""
     storage.write_text(uri, old + json.dumps(rec) + "\n")
+
+
+class Attempt:
+    """Where this attempt started and when its first step was done (rank 0 records it in attempts.jsonl):
+    recovery time, steps lost, cost. Owns the heartbeat that tells a later attempt how far this one got."""
+
+    def __init__(self, run_uri: str, *, rank: int, world: int, state, t_start: float, boot: dict):
+        self.run_uri, self.t_start, self.boot = run_uri, t_start, boot
+        self.beat = Heartbeat(run_uri, enabled=rank == 0).start(state.restarts, state.step)
+        self.rec = {"attempt": state.restarts, "resumed_step": state.step, "time": round(t_start, 3),
+                    "world_size": world, **({"previous_progress": self.beat.previous} if self.beat.previous else {})} \
+            if rank == 0 else None
+        boot["setup"] = time.time()
+
+    def got_batch(self) -> None:
+        if self.rec is not None:
+            self.boot["first_batch"] = time.time()
+
+    def reached(self, step: int) -> None:
+        """Right after the optimizer step: the heartbeat (a fault at this step finds it recorded)."""
+        self.beat.beat(step)
+
+    def stepped(self) -> None:
+        """After the step's verdict (the first only): the attempt's record."""
+        if self.rec is not None:
+            record_attempt(self.run_uri, {**self.rec, "first_step_time": round(time.time(), 3),
+                                          "startup_s": {k: round(v - self.t_start, 3) for k, v in self.boot.items()}})
+            self.rec = None
+
+    def close(self) -> None:
+        self.beat.close()

@@ -29,7 +29,7 @@ PEAK_TFLOPS = (
 
 
 def peak_tflops(cfg: Config, device_name: Optional[str]) -> float:
-    """Peak TFLOP/s of one worker: the override, the table, or the nominal CPU figure."""
+    """Peak TFLOP/s of one worker: the override, the GPU table, or on CPU the measured matmul rate."""
     if cfg.metrics.peak_tflops:
         return cfg.metrics.peak_tflops
     if device_name:
@@ -37,7 +37,45 @@ def peak_tflops(cfg: Config, device_name: Optional[str]) -> float:
             if key.lower() in device_name.lower():
                 return value
         return 100.0  # an unknown GPU: a round figure; set metrics.peak_tflops for a real MFU
-    return cfg.metrics.cpu_peak_tflops
+    return cfg.metrics.cpu_peak_tflops or measured_cpu_peak_tflops(torch.get_num_threads())
+
+
+def measured_cpu_peak_tflops(threads: int, n: int = 512) -> float:
+    """Dense fp32 matmul TFLOP/s on this worker's threads: best of a few short timed runs (~0.2 s), measured
+    once per machine and thread count and cached in ~/.cache/raytrain/cpu_peak.json (delete it to measure
+    again). No CPU has a datasheet peak that a nominal figure could stand for."""
+    import json
+    import platform
+
+    model = platform.machine()
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), model)
+    key = f"{model} | {threads} threads | torch {torch.__version__}"
+    path = os.path.join(os.path.expanduser("~"), ".cache", "raytrain", "cpu_peak.json")
+    cache: dict = {}
+    with contextlib.suppress(OSError, ValueError):
+        with open(path) as f:
+            cache = json.load(f)
+    if isinstance(cache.get(key), (int, float)) and cache[key] > 0:
+        return float(cache[key])
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    for _ in range(2):
+        a @ b  # warm-up: the first call allocates and picks its kernel
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        for _ in range(4):
+            a @ b
+        best = min(best, time.perf_counter() - t)
+    peak = 4 * 2 * n**3 / best / 1e12
+    with contextlib.suppress(OSError):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump({**cache, key: peak}, f)
+        os.replace(tmp, path)  # workers measuring at once: the last complete file wins, never a torn one
+    return peak
 
 
 def memory(cuda: bool) -> dict:
@@ -101,6 +139,33 @@ class PhaseTimer:
         return out
 
 
+class Window:
+    """Time, steps and data wait since the last log line (throughput is measured per window)."""
+
+    def __init__(self, timer: PhaseTimer):
+        self.timer = timer
+        self.t_start = time.perf_counter()
+        self.reset()
+
+    def reset(self) -> None:
+        self.t, self.steps, self.data_wait = time.perf_counter(), 0, 0.0
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t
+
+    def since_start(self) -> float:
+        return time.perf_counter() - self.t_start
+
+    @contextlib.contextmanager
+    def waiting(self):
+        """Around the wait for a batch: counted in the window and in the phase timer's data_wait."""
+        t0 = time.perf_counter()
+        yield
+        waited = time.perf_counter() - t0
+        self.data_wait += waited
+        self.timer.add("data_wait", waited)
+
+
 class TensorBoard:
     """Rank 0's event files in <run>/tensorboard/ (written locally, copied to object storage at syncs)."""
 
@@ -158,7 +223,7 @@ class Telemetry:
         """The keys a log step adds to its record: MFU, perplexity, step time and its phases, memory, counters."""
         add = {"max_steps": self.cfg.run.max_steps, "step_time_s": seconds / max(1, steps),
                **self.timer.take(steps), **memory(self.cuda),
-               "restarts": state.restarts, "preemptions": getattr(state, "preemptions", 0),
+               "restarts": state.restarts, "preemptions": state.preemptions,
                "rollbacks": self.rollbacks, "checkpoints": self.checkpoints}
         if isinstance(rec.get("loss"), (int, float)) and math.isfinite(rec["loss"]):
             add["ppl"] = math.exp(min(rec["loss"], 50.0))
@@ -183,21 +248,6 @@ class Telemetry:
         self.metrics.close()
         if self.tb:
             self.tb.close()
-
-
-def nan_hook(inject: dict, rank: int, global_batch: int):
-    """Fault injection: `inject = {"nan_at_step": N, "rank": r}` makes the loss NaN on the batch that step N of
-    an uninterrupted run trains on. It is tied to the data position, like real bad data: once that window
-    is skipped it never comes back."""
-    step_n = inject.get("nan_at_step")
-    if not step_n or rank != inject.get("rank", 0):
-        return lambda position, loss: loss
-    bad = (step_n - 1) * global_batch
-
-    def hook(position: int, loss: torch.Tensor) -> torch.Tensor:
-        return loss * float("nan") if position == bad else loss
-
-    return hook
 
 
 @contextlib.contextmanager

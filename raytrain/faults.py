@@ -1,0 +1,89 @@
+"""Fault injection for tests and chaos drills: every injected fault is described and carried out here.
+
+`inject` (passed to `trainer.train`, or as JSON in RAYTRAIN_FAULT_INJECT for a submitted job) is one of
+    {"crash_at_step": N, "rank": r, "signal": "SIGKILL", "marker": path}         one event
+    {"events": [{"step": N, "rank": r, "signal": ...}, ...], "marker": dir}      several
+    {"nan_at_step": N, "rank": r}                                                a NaN loss on that step's batch
+Signals: any signal name (SIGTERM goes through the worker's real handler: a preemption checkpoint;
+SIGKILL dies on the spot), "STALL" with "seconds" (the rank hangs), "REMOVE_NODE" / "DRAIN_NODE" (carried
+out on this worker's node by scripts/chaos.py). A marker file per event makes each fire once, so the
+restarted worker trains on past that step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from typing import Callable, Optional
+
+from raytrain.errors import UserError
+
+ENV = "RAYTRAIN_FAULT_INJECT"
+
+
+def from_env() -> Optional[dict]:
+    """The driver's injection from RAYTRAIN_FAULT_INJECT (a job submitted with `ray job submit`)."""
+    text = os.environ.get(ENV)
+    if not text:
+        return None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{ENV} is not JSON ({e}); unset it, or see raytrain/faults.py for its forms") from None
+
+
+class Faults:
+    """This rank's injected faults: `after_step(step)` fires the step's events, `loss(position, loss)` poisons."""
+
+    def __init__(self, inject: Optional[dict], *, rank: int, global_batch: int):
+        inject = inject or {}
+        self.rank = rank
+        events = inject.get("events") or ([{"step": inject["crash_at_step"], "rank": inject.get("rank", 0),
+                                            "signal": inject.get("signal", "SIGKILL")}]
+                                          if inject.get("crash_at_step") else [])
+        self.marker = inject.get("marker")
+        self.several = bool(inject.get("events"))
+        self.mine = [(i, e) for i, e in enumerate(events) if e.get("rank", 0) == rank] if self.marker else []
+        nan_step = inject.get("nan_at_step")
+        # Tied to the data position, like real bad data: once that window is skipped it never comes back.
+        self.nan_position = (nan_step - 1) * global_batch if nan_step and rank == inject.get("rank", 0) else None
+
+    def loss(self, position: int, loss):
+        """The loss, made NaN on the batch that step `nan_at_step` of an uninterrupted run trains on."""
+        return loss * float("nan") if position == self.nan_position else loss
+
+    def after_step(self, step: int, log: Callable[[str], None]) -> None:
+        for i, e in self.mine:
+            fired = f"{self.marker}.{i}" if self.several else self.marker
+            if step == e["step"] and not os.path.exists(fired):
+                with open(fired, "w") as f:
+                    f.write(str(time.time()))  # when it fired: recovery time is measured from here
+                sig = e.get("signal", "SIGKILL")
+                log(f"injected {sig} at step {step} (rank {self.rank})")
+                _fire(sig, e, fired)
+
+
+def _fire(sig: str, event: dict, fired: str) -> None:
+    if sig in ("REMOVE_NODE", "DRAIN_NODE"):
+        # Node-level events are carried out by the chaos harness on this worker's node; a removed node
+        # takes this process with it.
+        import ray
+
+        with open(fired + ".request", "w") as f:
+            json.dump({"action": sig, "node_id": ray.get_runtime_context().get_node_id()}, f)
+        if sig == "REMOVE_NODE":
+            time.sleep(300)
+            return
+        # Ray relays a drain to the workers within its poll interval (5 s): this step lasts long enough for
+        # the notice to arrive during the run, as on a real cluster.
+        for _ in range(600):
+            if os.path.exists(fired + ".ack"):
+                break
+            time.sleep(0.1)
+        time.sleep(8)
+    elif sig == "STALL":
+        time.sleep(event.get("seconds", 60))  # a hung rank: its peers wait in the next collective
+    else:
+        os.kill(os.getpid(), getattr(signal, sig))
