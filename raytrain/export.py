@@ -20,6 +20,7 @@ import torch
 import yaml
 
 from raytrain import storage
+from raytrain.rundir import METRICS, SUMMARY, RunDir
 from raytrain.config import Config
 from raytrain.errors import UserError
 
@@ -117,7 +118,7 @@ def load_checkpoint(ckpt_uri: str, tokenizer: Optional[str] = None) -> LoadedChe
                         f"unexpected {sorted(unexpected)[:3]})")
     model.tie_weights()
     model.eval()
-    return LoadedCheckpoint(model, cfg, step, ckpt_uri, eot_id, tok_uri)
+    return LoadedCheckpoint(model, cfg, step=step, uri=ckpt_uri, eot_id=eot_id, tokenizer_uri=tok_uri)
 
 
 def _eot_of(tokenizer_uri: str) -> Optional[int]:
@@ -148,15 +149,8 @@ def hf_tokenizer(tokenizer_uri: str, max_length: int, eot_id: Optional[int]):
 
 def reported_val(run_uri: str, step: int) -> Optional[dict]:
     """The validation loss / perplexity training logged at `step` (metrics.jsonl), if it evaluated then."""
-    uri = storage.join(run_uri, "metrics.jsonl")
-    if not storage.exists(uri):
-        return None
     found = None
-    for line in storage.read_text(uri).splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
+    for rec in RunDir(run_uri).read_jsonl(METRICS):
         if rec.get("step") == step and "val_loss" in rec:
             found = {"val_loss": rec["val_loss"], "val_ppl": rec.get("val_ppl")}
     return found
@@ -177,10 +171,10 @@ def export(ckpt_uri: str, out_uri: str, tokenizer: Optional[str] = None, force: 
         raise UserError(f"no tokenizer known for {ck.uri}; pass --tokenizer <tokenizer.json>")
     n_params = param_count(ck.model)
     run_uri = ck.uri.rsplit("/", 1)[0]
-    summary_uri = storage.join(run_uri, "summary.json")
-    trained = json.loads(storage.read_text(summary_uri)).get("params") if storage.exists(summary_uri) else None
+    trained = (RunDir(run_uri).read_json(SUMMARY) or {}).get("params")
     if trained is not None and trained != n_params:
-        raise UserError(f"parameter count {n_params:,} differs from the {trained:,} the run trained ({summary_uri})")
+        raise UserError(f"parameter count {n_params:,} differs from the {trained:,} the run trained "
+                        f"({RunDir(run_uri).uri(SUMMARY)})")
     with tempfile.TemporaryDirectory(prefix="raytrain-export-") as d:
         ck.model.config.use_cache = True  # training turned the KV cache off; generation wants it
         ck.model.save_pretrained(d)

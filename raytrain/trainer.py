@@ -15,6 +15,7 @@ from raytrain import faults, storage
 from raytrain.config import Config
 from raytrain.data.manifest import Split, load_split
 from raytrain.errors import UserError
+from raytrain.rundir import COMM_FAILURE, CONFIG, RunDir
 from raytrain.worker.runlog import read_summary
 
 # Non-secret S3 settings that workers need to see the same endpoint as the driver. Credentials are
@@ -202,7 +203,6 @@ def train(cfg: Config, log: Callable[[str], None] = print, inject: Optional[dict
     from ray.train.torch import TorchConfig
 
     from raytrain.model import apply_init_from
-    from raytrain.worker.comm import FAILURE_FILE as COMM_FAILURE_FILE
     from raytrain.worker.loop import train_loop_per_worker
 
     cfg = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(
@@ -218,7 +218,7 @@ def train(cfg: Config, log: Callable[[str], None] = print, inject: Optional[dict
         f"{len(train_split.shard_uris)} shards) from {train_split.uri}"
         + (f", val {val_split.num_samples:,}" if val_split else ", no validation")
         + f" | {cfg.run.max_steps} steps, AdamW lr {o.lr:g} warmup {o.warmup_steps} {o.decay}, clip {o.grad_clip:g}")
-    storage.write_text(storage.join(cfg.run_uri, "config.yaml"), cfg.to_yaml())
+    storage.write_text(RunDir(cfg.run_uri).uri(CONFIG), cfg.to_yaml())
     local = init_ray(cfg)
     check_cluster(cfg, local)
     s = cfg.scaling
@@ -248,7 +248,7 @@ def train(cfg: Config, log: Callable[[str], None] = print, inject: Optional[dict
     from raytrain.cost import NodeRecorder
 
     recorder = NodeRecorder(cfg.run_uri) if cfg.cost.record_nodes else contextlib.nullcontext()
-    comm_file = storage.join(cfg.run_uri, COMM_FAILURE_FILE)
+    comm_file = RunDir(cfg.run_uri).uri(COMM_FAILURE)
     storage.delete_file(comm_file)  # an earlier submission's diagnosis is not this one's
     try:
         with recorder:

@@ -106,7 +106,6 @@ def run_prepare(src: Path, corpus: Path, out: Path, engine: str, timeout: float,
 
 def planted_recall(d: Path, threshold: float = 0.9, seed: int = 0) -> dict:
     """{pairs, found}: planted near pairs whose documents share an LSH bucket under the pipeline's settings."""
-    import numpy as np
 
     from raytrain.data import minhash
     from raytrain.data.quality import normalise

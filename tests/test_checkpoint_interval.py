@@ -1,7 +1,6 @@
 """checkpoint.every_n_steps=auto: the Young-Daly interval from measured cost and failure rate, agreed by all ranks."""
 
 import json
-import math
 
 import pytest
 

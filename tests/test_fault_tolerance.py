@@ -8,7 +8,6 @@ happens to them afterwards.
 
 import os
 import signal
-import time
 
 import pytest
 

@@ -3,7 +3,6 @@ drift check tell a person what the data looks like."""
 
 import json
 
-import pytest
 
 from raytrain.cli import main
 from raytrain.data.prepare import PrepareConfig, prepare

@@ -12,7 +12,6 @@ import pytest
 
 from raytrain import cost, storage
 from raytrain.data.prepare import PrepareConfig, prepare
-from raytrain.errors import UserError
 from raytrain.trainer import train
 from raytrain.worker.runlog import HEARTBEAT_S
 from tests.conftest import tiny_cfg

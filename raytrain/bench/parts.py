@@ -7,7 +7,6 @@ issue asks of it. Everything runs on 127.0.0.1: a local Ray instance, a moto S3-
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import json
 import os

@@ -138,7 +138,7 @@ class SamplePlan:
     def step(self, step: int, lanes: Optional[tuple[int, int]] = None) -> StepPlan:
         """The samples of global batch `step` (0-based) in lanes [lo, hi) (default: all of them)."""
         ids, units, rows, epoch = self.block(step, 1, lanes)
-        return StepPlan(int(step), epoch, lanes or (0, self.global_batch), ids[0], units[0], rows[0])
+        return StepPlan(int(step), epoch, lanes or (0, self.global_batch), ids=ids[0], units=units[0], rows=rows[0])
 
     def block(self, step: int, count: int, lanes: Optional[tuple[int, int]] = None):
         """(ids, units, rows), each [count, lanes], and the epoch: global batches step .. step + count - 1 at once

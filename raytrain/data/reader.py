@@ -320,7 +320,7 @@ class PlannedReader:
             if isinstance(item, BaseException):
                 raise item
             s0, epoch, ids, units, rows, out = item
-            self._current = [(s0 + i, StepPlan(s0 + i, epoch, self.lanes, ids[i], units[i], rows[i]), out[i])
+            self._current = [(s0 + i, StepPlan(s0 + i, epoch, self.lanes, ids=ids[i], units=units[i], rows=rows[i]), out[i])
                              for i in range(len(ids))]
         got, sp, rows = self._current.pop(0)
         assert got == step, (got, step)

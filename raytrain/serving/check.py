@@ -108,113 +108,138 @@ def run_url_check(url: str, model: Optional[str] = None, data: Optional[str] = N
                   prompt: str = "one two three", max_new_tokens: int = 16, timeout_s: float = 300.0,
                   out_dir: Optional[str] = None, log: Callable[[str], None] = print) -> dict:
     """{"ok", "checks": [{name, ok, detail}], figures...}; never raises on a failed check."""
-    deadline = time.monotonic() + timeout_s
-    checks: list[dict] = []
-    out: dict = {"url": url, "checks": checks}
+    chk = UrlCheck(url, timeout_s=timeout_s, log=log)
+    if chk.reachable():
+        chk.predict(prompt, max_new_tokens)
+        texts, tok = chk.consistency(model, data, k=k, tol=tol)
+        chk.load(texts, tok, requests=requests, concurrency=concurrency, max_new_tokens=max_new_tokens,
+                 max_p99_ms=max_p99_ms)
+    return chk.finish(out_dir)
 
-    def record(name: str, ok: bool, detail: str) -> bool:
-        checks.append({"name": name, "ok": bool(ok), "detail": detail})
-        log(f"{'PASS' if ok else 'FAIL'}  {name:12} {detail}")
+
+class UrlCheck:
+    """The launch checks of a running server, one method each; every check is recorded, none raises."""
+
+    def __init__(self, url: str, *, timeout_s: float, log: Callable[[str], None]):
+        self.url, self.timeout_s, self.log = url, timeout_s, log
+        self.deadline = time.monotonic() + timeout_s
+        self.checks: list[dict] = []
+        self.out: dict = {"url": url, "checks": self.checks}
+        self.client = Client(url, timeout_s=min(60.0, timeout_s))
+        self.served: dict = {}
+        self.stable: Optional[str] = None
+
+    def record(self, name: str, ok: bool, detail: str) -> bool:
+        self.checks.append({"name": name, "ok": bool(ok), "detail": detail})
+        self.log(f"{'PASS' if ok else 'FAIL'}  {name:12} {detail}")
         return ok
 
-    def finish() -> dict:
-        out["ok"] = bool(checks) and all(c["ok"] for c in checks)
+    def finish(self, out_dir: Optional[str]) -> dict:
+        self.out["ok"] = bool(self.checks) and all(c["ok"] for c in self.checks)
         if out_dir:
-            out["reports"] = write_reports(out, out_dir)
-        return out
+            self.out["reports"] = write_reports(self.out, out_dir)
+        return self.out
 
-    c = Client(url, timeout_s=min(60.0, timeout_s))
-    status, body, _ = c.request("GET", "/healthz")
-    if not record("health", status == 200 and body.get("status") == "ok", f"GET /healthz -> {status} {body}"):
-        return finish()
-    status, models, _ = c.request("GET", "/v1/models")
-    served = {m["version"]: m for m in models.get("data", [])} if status == 200 else {}
-    stable = body.get("stable")
-    out["versions"] = served
-    if not record("models", stable in served, f"GET /v1/models -> {status}: " + ", ".join(
-            f"{v} ({m['role']}, {m['params']:,} params, step {m['step']})" for v, m in served.items())):
-        return finish()
+    def reachable(self) -> bool:
+        """/healthz answers and /v1/models lists the stable version."""
+        status, body, _ = self.client.request("GET", "/healthz")
+        if not self.record("health", status == 200 and body.get("status") == "ok", f"GET /healthz -> {status} {body}"):
+            return False
+        status, models, _ = self.client.request("GET", "/v1/models")
+        self.served = {m["version"]: m for m in models.get("data", [])} if status == 200 else {}
+        self.stable = body.get("stable")
+        self.out["versions"] = self.served
+        return self.record("models", self.stable in self.served, f"GET /v1/models -> {status}: " + ", ".join(
+            f"{v} ({m['role']}, {m['params']:,} params, step {m['step']})" for v, m in self.served.items()))
 
-    status, res, dt = c.request("POST", "/predict", {"text": prompt, "max_new_tokens": max_new_tokens})
-    out["cold_ms"], out["cold_was_first"] = dt * 1e3, bool(res.get("cold"))
-    warmth = "the replica's first request" if res.get("cold") else "replica already warm"
-    record("predict", status == 200 and "continuation" in res and isinstance(res.get("logprobs"), list),
-           f"POST /predict {prompt!r} -> {status} in {dt * 1e3:.0f} ms ({warmth}), "
-           f"version {res.get('version')}: {res.get('continuation', res.get('error'))!r}")
+    def predict(self, prompt: str, max_new_tokens: int) -> None:
+        status, res, dt = self.client.request("POST", "/predict", {"text": prompt, "max_new_tokens": max_new_tokens})
+        self.out["cold_ms"], self.out["cold_was_first"] = dt * 1e3, bool(res.get("cold"))
+        warmth = "the replica's first request" if res.get("cold") else "replica already warm"
+        self.record("predict", status == 200 and "continuation" in res and isinstance(res.get("logprobs"), list),
+                    f"POST /predict {prompt!r} -> {status} in {dt * 1e3:.0f} ms ({warmth}), "
+                    f"version {res.get('version')}: {res.get('continuation', res.get('error'))!r}")
 
-    # Consistency: pinned to the stable version, scored against that version's exported model offline.
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    def consistency(self, model: Optional[str], data: Optional[str], *, k: int, tol: float) -> tuple[list, object]:
+        """Pinned to the stable version, scored against that version's exported model offline; returns the
+        held-out texts and the tokenizer (for the load test)."""
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from raytrain.export import EXPORT_META
-    from raytrain.model import local_model_dir
+        from raytrain.export import EXPORT_META
+        from raytrain.model import local_model_dir
 
-    try:
-        local = local_model_dir(model or served[stable]["source"])
-        offline = AutoModelForCausalLM.from_pretrained(local, dtype=torch.float32).eval()
-        tok = AutoTokenizer.from_pretrained(local)
-        meta_path = os.path.join(local, EXPORT_META)
-        meta = json.load(open(meta_path)) if os.path.exists(meta_path) else {}
-        texts, origin = held_out_texts(data or meta.get("val_data"), tok, served[stable]["context"], k)
-    except Exception as e:  # noqa: BLE001 - an unreadable offline model is a failed check, said in one line
-        record("consistency", False, f"cannot load the offline model {model or served[stable]['source']}: "
-               f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} (pass the exported directory as MODEL_DIR)")
-        texts = []
-    if texts:
+        stable = self.stable
+        try:
+            local = local_model_dir(model or self.served[stable]["source"])
+            offline = AutoModelForCausalLM.from_pretrained(local, dtype=torch.float32).eval()
+            tok = AutoTokenizer.from_pretrained(local)
+            meta_path = os.path.join(local, EXPORT_META)
+            meta = json.load(open(meta_path)) if os.path.exists(meta_path) else {}
+            texts, origin = held_out_texts(data or meta.get("val_data"), tok, self.served[stable]["context"], k)
+        except Exception as e:  # noqa: BLE001 - an unreadable offline model is a failed check, said in one line
+            self.record("consistency", False, f"cannot load the offline model {model or self.served[stable]['source']}: "
+                        f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} (pass the exported directory "
+                        "as MODEL_DIR)")
+            return [], None
         worst, bad = 0.0, []
         for text in texts:
-            status, res, _ = c.request("POST", "/predict", {"text": text, "max_new_tokens": 0, "version": stable})
+            status, res, _ = self.client.request("POST", "/predict", {"text": text, "max_new_tokens": 0, "version": stable})
             got = res.get("logprobs") if status == 200 else None
             want = offline_logprobs(offline, tok, text) if got is not None else []
             if got is None or len(got) != len(want):
                 bad.append(f"{status} {res.get('error', '')} ({len(got or [])} vs {len(want)} tokens)")
                 continue
             worst = max(worst, max((abs(a - b) for a, b in zip(got, want)), default=0.0))
-        out["consistency_max_abs_diff"] = worst
-        record("consistency", not bad and worst <= tol, f"{len(texts)} samples from {origin}, version {stable}: "
-               f"max |served - offline| log-prob {worst:.2e} (limit {tol:g})" + (f"; failed: {bad[:2]}" if bad else ""))
+        if texts:
+            self.out["consistency_max_abs_diff"] = worst
+            self.record("consistency", not bad and worst <= tol, f"{len(texts)} samples from {origin}, version {stable}: "
+                        f"max |served - offline| log-prob {worst:.2e} (limit {tol:g})" + (f"; failed: {bad[:2]}" if bad else ""))
+        return texts, tok
 
-    # Load test: warm latency, throughput, errors; bounded by the request count and the deadline.
-    load_texts = FALLBACK_TEXTS
-    if texts:  # the held-out texts, cut so that each fits the context with its generated tokens
-        load_texts = cut(tok, texts, served[stable]["context"] - max_new_tokens)
-    lat: list[float] = []
-    errors: list[str] = []
-    versions: dict[str, int] = {}
-    lock = threading.Lock()
-    local_clients = threading.local()
+    def load(self, texts: list, tok, *, requests: int, concurrency: int, max_new_tokens: int,
+             max_p99_ms: float) -> None:
+        """Warm latency, throughput, errors; bounded by the request count and the deadline."""
+        load_texts = FALLBACK_TEXTS
+        if texts:  # the held-out texts, cut so that each fits the context with its generated tokens
+            load_texts = cut(tok, texts, self.served[self.stable]["context"] - max_new_tokens)
+        lat: list[float] = []
+        errors: list[str] = []
+        versions: dict[str, int] = {}
+        lock = threading.Lock()
+        local_clients = threading.local()
 
-    def one(i: int) -> None:
-        if time.monotonic() > deadline:
-            return
-        cl = getattr(local_clients, "c", None) or Client(url, timeout_s=min(60.0, timeout_s))
-        local_clients.c = cl
-        s, r, d = cl.request("POST", "/predict", {"text": load_texts[i % len(load_texts)], "max_new_tokens": max_new_tokens})
-        with lock:
-            if s == 200:
-                lat.append(d)
-                versions[r.get("version")] = versions.get(r.get("version"), 0) + 1
-            else:
-                errors.append(f"{s} {r.get('error', '')}"[:200])
+        def one(i: int) -> None:
+            if time.monotonic() > self.deadline:
+                return
+            cl = getattr(local_clients, "c", None) or Client(self.url, timeout_s=min(60.0, self.timeout_s))
+            local_clients.c = cl
+            s, r, d = cl.request("POST", "/predict", {"text": load_texts[i % len(load_texts)],
+                                                      "max_new_tokens": max_new_tokens})
+            with lock:
+                if s == 200:
+                    lat.append(d)
+                    versions[r.get("version")] = versions.get(r.get("version"), 0) + 1
+                else:
+                    errors.append(f"{s} {r.get('error', '')}"[:200])
 
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
-        list(pool.map(one, range(requests)))
-    wall = time.perf_counter() - t0
-    done = len(lat) + len(errors)
-    out["load"] = {"requests": requests, "completed": done, "concurrency": concurrency, "wall_s": wall,
-                   "ok": len(lat), "errors": len(errors), "error_samples": errors[:5], "versions": versions,
-                   "throughput_rps": done / wall if wall > 0 else None,
-                   "tokens_per_s": len(lat) * max_new_tokens / wall if wall > 0 else None, **_pct(lat)}
-    ld = out["load"]
-    record("load", not errors and done == requests,
-           f"{done}/{requests} requests at concurrency {concurrency} in {wall:.1f}s: {ld['throughput_rps']:.1f} req/s, "
-           f"{len(errors)} errors" + (f" ({errors[0]})" if errors else "") + f", versions {versions}")
-    p99 = ld["p99_ms"]
-    record("latency", p99 is not None and p99 <= max_p99_ms,
-           f"warm p50 {ld['p50_ms'] or 0:.0f} ms, p95 {ld['p95_ms'] or 0:.0f} ms, p99 {p99 or 0:.0f} ms "
-           f"(limit {max_p99_ms:g} ms); cold {out['cold_ms']:.0f} ms")
-    return finish()
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
+            list(pool.map(one, range(requests)))
+        wall = time.perf_counter() - t0
+        done = len(lat) + len(errors)
+        ld = self.out["load"] = {
+            "requests": requests, "completed": done, "concurrency": concurrency, "wall_s": wall, "ok": len(lat),
+            "errors": len(errors), "error_samples": errors[:5], "versions": versions,
+            "throughput_rps": done / wall if wall > 0 else None,
+            "tokens_per_s": len(lat) * max_new_tokens / wall if wall > 0 else None, **_pct(lat)}
+        self.record("load", not errors and done == requests,
+                    f"{done}/{requests} requests at concurrency {concurrency} in {wall:.1f}s: {ld['throughput_rps']:.1f} "
+                    f"req/s, {len(errors)} errors" + (f" ({errors[0]})" if errors else "") + f", versions {versions}")
+        p99 = ld["p99_ms"]
+        self.record("latency", p99 is not None and p99 <= max_p99_ms,
+                    f"warm p50 {ld['p50_ms'] or 0:.0f} ms, p95 {ld['p95_ms'] or 0:.0f} ms, p99 {p99 or 0:.0f} ms "
+                    f"(limit {max_p99_ms:g} ms); cold {self.out['cold_ms']:.0f} ms")
 
 
 def write_reports(out: dict, out_dir: str) -> list[str]:

@@ -29,7 +29,6 @@ ADVICE = ("check that every worker is alive (`ray status`, `ray list actors`), t
           "keeps one rank away that long)")
 
 
-FAILURE_FILE = "comm_failure.txt"  # in the run directory: the newest diagnosis, read by the driver
 
 
 class CommunicationError(RuntimeError):
@@ -127,10 +126,11 @@ class CommWatch:
 
 
 def watch_for_run(cfg, *, rank: int, world: int, cuda: bool, count: Callable[[str], None]) -> CommWatch:
-    """The run's watch: a timeout becomes a diagnosis in the run directory (FAILURE_FILE), not a hang."""
+    """The run's watch: a timeout becomes a diagnosis in the run directory (read by the driver), not a hang."""
     from raytrain import storage
+    from raytrain.rundir import COMM_FAILURE, RunDir
 
-    comm_file = storage.join(cfg.run_uri, FAILURE_FILE)
+    comm_file = RunDir(cfg.run_uri).uri(COMM_FAILURE)
     if rank == 0:
         storage.delete_file(comm_file)  # an earlier attempt's diagnosis must not explain this one's end
     return CommWatch(rank, world, "nccl" if cuda else "gloo", cfg.scaling.collective_timeout_s, count=count,

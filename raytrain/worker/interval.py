@@ -13,12 +13,11 @@ and the per-step agreement (worker/verdict.py) makes every rank save at the same
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from typing import Optional
 
-from raytrain import storage
+from raytrain.rundir import ATTEMPTS, RunDir
 
 
 def young_daly_s(checkpoint_cost_s: float, mtbf_s: float) -> float:
@@ -29,15 +28,12 @@ def young_daly_s(checkpoint_cost_s: float, mtbf_s: float) -> float:
 def run_history(run_uri: str) -> tuple[Optional[float], int]:
     """(start time of the run's first attempt, attempts before this one) from attempts.jsonl: each
     earlier attempt ended in an interruption, or this one would not exist."""
-    uri = storage.join(run_uri, "attempts.jsonl")
-    if not storage.exists(uri):
-        return None, 0
     times = []
-    for line in storage.read_text(uri).splitlines():
+    for rec in RunDir(run_uri).read_jsonl(ATTEMPTS):
         try:
-            times.append(float(json.loads(line)["time"]))
+            times.append(float(rec["time"]))
         except (ValueError, KeyError, TypeError):
-            continue  # a torn last line from a killed writer
+            continue
     return (min(times) if times else None), len(times)
 
 

@@ -18,11 +18,7 @@ import time
 from typing import Any, Optional
 
 from raytrain import storage
-
-METRICS = "metrics.jsonl"
-SUMMARY = "summary.json"
-ATTEMPTS = "attempts.jsonl"  # one line per (re)start of the run: where it resumed and how long it took
-PROGRESS = "progress.json"  # rank 0's heartbeat: the step reached, when, and when last seen alive
+from raytrain.rundir import ATTEMPTS, METRICS, PROGRESS, SUMMARY, RunDir
 # The least time between two writes, and so how many steps a killed attempt may have done unrecorded:
 # on object storage one small PUT every 2 s at most (about $0.2 a day at S3 prices); a local file can
 # follow the loop closely. While the loop does not move, the time alone is refreshed every REFRESH_S.
@@ -94,15 +90,7 @@ class RunLog:
         if not enabled:
             return
         self._local = os.path.join(tempfile.mkdtemp(prefix="raytrain-log-"), METRICS)
-        uri = storage.join(run_uri, METRICS)
-        if storage.exists(uri):
-            for line in storage.read_text(uri).splitlines():
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # a torn last line from a crash
-                if rec.get("step", 0) <= resumed_step:
-                    self.history.append(rec)
+        self.history = [r for r in RunDir(run_uri).read_jsonl(METRICS) if r.get("step", 0) <= resumed_step]
         with open(self._local, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in self.history)
         self.sync()
@@ -169,7 +157,7 @@ class RunLog:
             **extra,  # health: rollbacks, violations per rule; data counters
         }
         self.sync()
-        storage.write_text(storage.join(cfg.run_uri, SUMMARY), json.dumps(summary, indent=1))
+        RunDir(cfg.run_uri).write_json(SUMMARY, summary)
 
 
 class Heartbeat:
@@ -287,15 +275,12 @@ class Heartbeat:
 
 
 def read_summary(run_uri: str) -> Optional[dict]:
-    uri = storage.join(run_uri, SUMMARY)
-    return json.loads(storage.read_text(uri)) if storage.exists(uri) else None
+    return RunDir(run_uri).read_json(SUMMARY)
 
 
 def record_attempt(run_uri: str, rec: dict) -> None:
-    """Append one line to the run's attempts.jsonl (rank 0, once per attempt; small, so rewritten whole)."""
-    uri = storage.join(run_uri, ATTEMPTS)
-    old = storage.read_text(uri) if storage.exists(uri) else ""
-    storage.write_text(uri, old + json.dumps(rec) + "\n")
+    """Append one line to the run's attempts.jsonl (rank 0, once per attempt)."""
+    RunDir(run_uri).append_jsonl(ATTEMPTS, rec)
 
 
 class Attempt:

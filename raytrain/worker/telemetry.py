@@ -16,6 +16,7 @@ import torch
 
 from raytrain.config import Config
 from raytrain.errors import UserError
+from raytrain.rundir import HEALTH, TENSORBOARD, RunDir
 from raytrain.worker.health import HealthMonitor, Thresholds, Violation
 from raytrain.worker.metrics import PHASES, RayMetrics
 
@@ -176,7 +177,7 @@ class TensorBoard:
 
         self.run_uri, self.remote = run_uri, storage.is_remote(run_uri)
         self.dir = tempfile.mkdtemp(prefix="raytrain-tb-") if self.remote else \
-            storage.resolve(storage.join(run_uri, "tensorboard"))[1]
+            storage.resolve(RunDir(run_uri).uri(TENSORBOARD))[1]
         os.makedirs(self.dir, exist_ok=True)
         self.writer = SummaryWriter(self.dir, flush_secs=5)
 
@@ -192,7 +193,7 @@ class TensorBoard:
         self.writer.flush()
         if self.remote:
             for name in os.listdir(self.dir):
-                storage.upload_file(os.path.join(self.dir, name), storage.join(self.run_uri, "tensorboard", name))
+                storage.upload_file(os.path.join(self.dir, name), RunDir(self.run_uri).uri(TENSORBOARD, name))
 
     def close(self) -> None:
         self.sync()
@@ -311,12 +312,8 @@ def rollback(v: Violation, tel: Telemetry, engine, state, stream, run_uri: str, 
 
 def stop(tel: Telemetry, run_uri: str, reason: str) -> None:
     """End the run with a health report (<run>/health.json) and one line saying why and what to do."""
-    import json
-
-    from raytrain import storage
-
     if tel.rank == 0:
         report = {"reason": reason, **tel.summary(), "history": dataclasses.asdict(tel.health.history)}
-        storage.write_text(storage.join(run_uri, "health.json"), json.dumps(report, indent=1))
-    raise UserError(f"training stopped by the health rules: {reason} (report: {storage.join(run_uri, 'health.json')})")
+        RunDir(run_uri).write_json(HEALTH, report)
+    raise UserError(f"training stopped by the health rules: {reason} (report: {RunDir(run_uri).uri(HEALTH)})")
 
