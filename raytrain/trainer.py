@@ -178,12 +178,12 @@ def _trainer_class():
     """
     from ray.train.torch import TorchTrainer
 
+    from raytrain.ray_internals import shorten_placement_group_cleaner
+
     class _TorchTrainer(TorchTrainer):
         def _create_default_callbacks(self):
             callbacks = super()._create_default_callbacks()
-            for cb in callbacks:
-                if type(cb).__name__ == "PlacementGroupCleanerCallback" and hasattr(cb, "_stop_timeout"):
-                    cb._stop_timeout = 2.0
+            shorten_placement_group_cleaner(callbacks, 2.0)
             return callbacks
 
     return _TorchTrainer

@@ -119,7 +119,7 @@ def serve_forever(model: str, port: int = 8000, host: str = "127.0.0.1", version
 
 def traffic(url: str, action: str, fraction: Optional[float] = None, timeout_s: float = 30) -> dict:
     """split / promote / rollback on a running `raytrain serve`; returns the router's new traffic state."""
-    from ray._raylet import AuthenticationTokenLoader
+    from raytrain.ray_internals import local_auth_token
 
     if action == "split":
         if fraction is None:
@@ -129,8 +129,7 @@ def traffic(url: str, action: str, fraction: Optional[float] = None, timeout_s: 
         path, body = f"/admin/{action}", {}
     # The token whenever this machine has one (RAY_AUTH_TOKEN, ~/.ray/auth_token): a local Ray turns token
     # authentication on by itself when a token exists, whether or not RAY_AUTH_MODE is set here.
-    loader = AuthenticationTokenLoader.instance()
-    token = loader.get_raw_token(ignore_auth_mode=True) if loader.has_token(ignore_auth_mode=True) else None
+    token = local_auth_token()
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
     req = urllib.request.Request(url.rstrip("/") + path, data=json.dumps(body).encode(), headers=headers,
                                  method="POST")
