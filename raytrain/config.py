@@ -12,7 +12,7 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, Callable, Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -39,15 +39,18 @@ YamlLoader.add_implicit_resolver(
 
 
 def load_yaml(text: str) -> Any:
+    """YAML text -> Python values, with YAML 1.2 floats."""
     return yaml.load(text, Loader=YamlLoader)
 
 
-class _Section(BaseModel):
+class Section(BaseModel):
+    """A group of config keys: strict types, unknown keys refused."""
+
     # strict: "4" is not an int and 1.5 is not an int; unknown keys are errors, not silently ignored.
     model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
 
 
-class ModelConfig(_Section):
+class ModelConfig(Section):
     """Transformer shape. Built with `transformers` config classes, random init, no hub access."""
 
     family: Literal["gpt2", "llama", "mixtral"] = Field("gpt2", description="architecture: GPT-2 (learned positions), Llama (RoPE, RMSNorm, SwiGLU) or Mixtral (Llama with a Mixture-of-Experts MLP)")
@@ -80,7 +83,7 @@ class ModelConfig(_Section):
         return self
 
 
-class DataConfig(_Section):
+class DataConfig(Section):
     """Prepared datasets (see `raytrain prepare`): each URI is a split directory holding manifest.json."""
 
     train: Optional[str] = Field(None, description="URI of the prepared train split (local path or s3://...; dir with manifest.json)")
@@ -94,7 +97,7 @@ class DataConfig(_Section):
     on_bad_shard: Literal["error", "skip"] = Field("error", description="a shard that cannot be read during training (corrupt Parquet, truncated tar): stop with an error naming it, or skip it and count it (metrics: data_skipped_shards)")
 
 
-class BatchConfig(_Section):
+class BatchConfig(Section):
     """Global batch = micro_batch_size x gradient_accumulation_steps x num_workers (sequences)."""
 
     micro_batch_size: int = Field(8, ge=1, description="sequences per worker per forward/backward")
@@ -102,7 +105,7 @@ class BatchConfig(_Section):
     global_batch_size: Optional[int] = Field(None, ge=1, description="sequences per optimizer step; if set, checked against (or used to derive) accumulation")
 
 
-class OptimConfig(_Section):
+class OptimConfig(Section):
     """AdamW and its schedule (linear warmup, then cosine / linear decay to min_lr_ratio * lr)."""
 
     lr: float = Field(3e-4, gt=0.0, description="peak learning rate")
@@ -116,7 +119,7 @@ class OptimConfig(_Section):
     fused: Literal["torch", "deepspeed", "none"] = Field("torch", description="GPU only: torch's fused AdamW kernel, DeepSpeed's FusedAdam (a CUDA op JIT-built on first use) or torch's multi-tensor AdamW; CPU always uses torch's AdamW")
 
 
-class PrecisionConfig(_Section):
+class PrecisionConfig(Section):
     """Mixed precision. auto: bf16 on a GPU that has it, fp16 on older GPUs, fp32 on CPU."""
 
     dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field("auto", description="training precision")
@@ -124,7 +127,7 @@ class PrecisionConfig(_Section):
     loss_scale_window: int = Field(1000, ge=1, description="fp16: steps without overflow before the scale grows")
 
 
-class DeepSpeedSection(_Section):
+class DeepSpeedSection(Section):
     """ZeRO settings; `extra` is deep-merged into the generated DeepSpeed JSON as an escape hatch."""
 
     zero_stage: int = Field(2, ge=0, le=3, description="0: plain data parallel; 1: shard optimizer; 2: + gradients; 3: + parameters")
@@ -145,7 +148,7 @@ class DeepSpeedSection(_Section):
         return self
 
 
-class ScalingSection(_Section):
+class ScalingSection(Section):
     """Ray Train workers and the CPUs they need beside the training step."""
 
     num_workers: int = Field(2, ge=1, description="Ray Train workers (data-parallel ranks)")
@@ -159,7 +162,7 @@ class ScalingSection(_Section):
 
 
 
-class CheckpointSection(_Section):
+class CheckpointSection(Section):
     """Where the run lives (`<storage>/<run.name>/`) and how often its state is saved."""
 
     storage: str = Field("~/raytrain_runs", description="run storage: local path or s3://bucket/prefix (AWS_ENDPOINT_URL for other S3 stores)")
@@ -187,7 +190,7 @@ class CheckpointSection(_Section):
     on_preemption: bool = Field(True, description="checkpoint at once when a node is drained for preemption or a worker gets SIGTERM")
 
 
-class RunSection(_Section):
+class RunSection(Section):
     """Identity and length of a run. The same name and storage resume the run."""
 
     name: str = Field("run", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$", description="run name: its directory under checkpoint.storage")
@@ -200,7 +203,7 @@ class RunSection(_Section):
     max_preemptions: int = Field(-1, ge=-1, description="restarts after node preemptions, counted apart from failures; -1: unlimited")
 
 
-class MetricsSection(_Section):
+class MetricsSection(Section):
     """Where each log step's metrics go besides metrics.jsonl (see docs/OBSERVABILITY.md), and the peak used for MFU."""
 
     prometheus: bool = Field(True, description="export raytrain_* series through Ray's metrics API (Ray's Prometheus endpoint, labels run/worker)")
@@ -209,7 +212,7 @@ class MetricsSection(_Section):
     cpu_peak_tflops: Optional[float] = Field(None, gt=0.0, description="peak TFLOP/s of one CPU worker for MFU; null: measured at start-up by a short fp32 matmul probe on the worker's threads, cached per machine in ~/.cache/raytrain/cpu_peak.json")
 
 
-class HealthSection(_Section):
+class HealthSection(Section):
     """Health rules checked in the training loop (PRODUCT.md). Null thresholds: GPU defaults on GPU, CPU defaults on CPU."""
 
     enabled: bool = Field(True, description="evaluate the rules; each violation is logged once with advice and counted")
@@ -227,7 +230,7 @@ class HealthSection(_Section):
     max_rollbacks: int = Field(3, ge=0, description="rollbacks allowed in one run; one more stops it with a health report")
 
 
-class CostSection(_Section):
+class CostSection(Section):
     """Prices for `raytrain cost` (USD per node-hour). Defaults are EXAMPLES: AWS us-west-2 list prices as of 2024
     (g5.xlarge on-demand 1.006, a typical g5.xlarge spot price, m5.2xlarge head); set your own."""
 
@@ -253,7 +256,7 @@ def _retired_in(tree: Any) -> list[str]:
     return [k for k in RETIRED if isinstance(tree.get(k.split(".")[0]), dict) and k.split(".")[1] in tree[k.split(".")[0]]]
 
 
-class Config(_Section):
+class Config(Section):
     """A whole run. `raytrain config --config NAME` prints it resolved."""
 
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -466,25 +469,26 @@ def apply_overrides(tree: dict, overrides: dict[str, Any]) -> dict:
     return tree
 
 
-def _format_error(err: ValidationError) -> str:
+def format_error(err: ValidationError, root: type[BaseModel] = None, what: str = "config") -> str:
+    """A pydantic error -> one line naming each bad key (`what` names the kind of key: config, prepare, tune config)."""
     msgs = []
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"])
         if e["type"] == "extra_forbidden":
-            section = _section_for(e["loc"][:-1])
+            section = _section_for(e["loc"][:-1], root or Config)
             allowed = ", ".join(section.model_fields) if section else ""
-            msgs.append(f"unknown config key {key!r} (allowed here: {allowed})")
+            msgs.append(f"unknown {what} key {key!r} (allowed here: {allowed})")
         elif e["type"] == "literal_error":
-            msgs.append(f"config key {key!r}: {e['msg'].lower()}, got {e.get('input')!r}")
+            msgs.append(f"{what} key {key!r}: {e['msg'].lower()}, got {e.get('input')!r}")
         elif key:
-            msgs.append(f"config key {key!r}: {e['msg'].lower().removeprefix('value error, ')} (got {e.get('input')!r})")
+            msgs.append(f"{what} key {key!r}: {e['msg'].lower().removeprefix('value error, ')} (got {e.get('input')!r})")
         else:
-            msgs.append(f"config: {e['msg'].removeprefix('Value error, ')}")
+            msgs.append(f"{what}: {e['msg'].removeprefix('Value error, ')}")
     return "; ".join(msgs)
 
 
-def _section_for(loc: tuple) -> Optional[type[BaseModel]]:
-    cls: Any = Config
+def _section_for(loc: tuple, root: type[BaseModel]) -> Optional[type[BaseModel]]:
+    cls: Any = root
     for part in loc:
         field = cls.model_fields.get(part) if isinstance(part, str) else None
         if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
@@ -493,30 +497,57 @@ def _section_for(loc: tuple) -> Optional[type[BaseModel]]:
     return cls
 
 
-def validate(tree: dict) -> Config:
-    for key in _retired_in(tree):
-        print(f"warning: config key {key!r} is no longer used: {RETIRED[key]}; remove it from the file",
-              file=sys.stderr)
+def validate(tree: dict, root: type[BaseModel] = None, what: str = "config") -> Any:
+    """A nested dict -> the validated `root` model (default Config); UserError with one line otherwise."""
+    root = root or Config
+    if root is Config:
+        for key in _retired_in(tree):
+            print(f"warning: config key {key!r} is no longer used: {RETIRED[key]}; remove it from the file",
+                  file=sys.stderr)
     try:
-        return Config.model_validate(tree)
+        return root.model_validate(tree)
     except ValidationError as err:
-        raise UserError(_format_error(err)) from None
+        raise UserError(format_error(err, root, what)) from None
+
+
+def read_tree(path: str | Path, top_level: str = "of sections (model:, data:, ...)") -> dict:
+    """A YAML file (local path or s3://) -> its top-level mapping; one-line errors naming the file."""
+    try:
+        text = storage.read_text(str(path)) if storage.is_remote(str(path)) else Path(path).read_text()
+    except OSError as e:
+        raise UserError(f"cannot read {path}: {e.strerror}") from None
+    try:
+        tree = load_yaml(text) or {}
+    except yaml.YAMLError as e:
+        raise UserError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(tree, dict):
+        raise UserError(f"{path}: top level must be a mapping {top_level}")
+    return tree
+
+
+def set_keys(tree: dict, overrides: dict[str, Any], root: type[BaseModel] = None) -> dict:
+    """Dotted overrides checked against `root`'s schema (full key named when unknown), then set in the tree."""
+    for key in overrides:
+        check_key(key, root)
+    return apply_overrides(tree, overrides)
+
+
+def load_tree(path: Optional[str | Path], overrides: Optional[list[str] | dict[str, Any]] = None,
+              root: type[BaseModel] = None, what: str = "config", top_level: str = "of sections (model:, data:, ...)",
+              place: Optional[Callable[[dict, dict[str, Any]], dict]] = None) -> Any:
+    """The one config loader: YAML file (or nothing) + dotted overrides -> validated `root` model, one-line errors.
+
+    Used by train (recipes), prepare, tune and cost. `place(tree, overrides)` puts the overrides into the
+    tree when they are not all plain keys of `root` (tune routes training keys into its `overrides:`).
+    """
+    root = root or Config
+    tree = read_tree(path, top_level) if path else {}
+    if overrides:
+        ov = parse_overrides(overrides) if isinstance(overrides, list) else dict(overrides)
+        tree = place(tree, ov) if place else set_keys(tree, ov, root)
+    return validate(tree, root, what)
 
 
 def load_config(name_or_path: Optional[str] = None, overrides: Optional[list[str] | dict[str, Any]] = None) -> Config:
     """Recipe (by name or path) + overrides -> validated Config. Raises UserError naming the bad key."""
-    tree: dict = {}
-    if name_or_path:
-        path = resolve_recipe(name_or_path)
-        try:
-            tree = load_yaml(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise UserError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
-        if not isinstance(tree, dict):
-            raise UserError(f"{path}: top level must be a mapping of sections (model:, data:, ...)")
-    if overrides:
-        ov = parse_overrides(overrides) if isinstance(overrides, list) else overrides
-        for key in ov:
-            check_key(key)
-        tree = apply_overrides(tree, ov)
-    return validate(tree)
+    return load_tree(resolve_recipe(name_or_path) if name_or_path else None, overrides)

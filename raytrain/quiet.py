@@ -41,14 +41,11 @@ def quiet_worker() -> None:
     logging.getLogger().setLevel(logging.WARNING)
     for name in ("ray.train", "ray.data", "DeepSpeed", "torch.distributed"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    try:
-        # "Reporting training result N: TrainingReport(...)" comes from a logger named by its file path,
-        # outside the ray.train tree that RunConfig's LoggingConfig filters.
-        from ray.train.v2._internal.execution import context
+    # "Reporting training result N: TrainingReport(...)": outside the ray.train tree that RunConfig's
+    # LoggingConfig filters.
+    from raytrain.ray_internals import quiet_train_report_logger
 
-        context.logger.setLevel(logging.WARNING)
-    except (ImportError, AttributeError):
-        pass
+    quiet_train_report_logger(logging.WARNING)
 
 
 @contextlib.contextmanager

@@ -12,6 +12,8 @@ import os
 import secrets
 from pathlib import Path
 
+from raytrain.ray_internals import reload_ray_config, reset_token_cache
+
 MODE_ENV = "RAY_AUTH_MODE"
 
 
@@ -41,7 +43,7 @@ def ensure_token(create: bool = True) -> bool:
         return False  # joining a cluster with no token here: Ray's own rules (and its error) apply
     if MODE_ENV not in os.environ:
         os.environ[MODE_ENV] = "token"
-        _refresh_ray_config()
+        reload_ray_config()  # Ray read the auth mode when it loaded
     if os.environ[MODE_ENV].lower() != "token" or have:
         return False
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -52,20 +54,8 @@ def ensure_token(create: bool = True) -> bool:
         return False
     with os.fdopen(fd, "w") as f:
         f.write(secrets.token_hex(32))  # what `ray get-auth-token --generate` writes: 256 random bits
-    import sys
-
-    if "ray._raylet" in sys.modules:  # Ray's token loader caches "no token" once it has looked
-        sys.modules["ray._raylet"].AuthenticationTokenLoader.instance().reset_cache()
+    reset_token_cache()
     return True
-
-
-def _refresh_ray_config() -> None:
-    # Ray caches its config (auth mode included) when its core module loads; ray.init() refreshes it the
-    # same way when it turns token mode on by itself.
-    import sys
-
-    if "ray._raylet" in sys.modules:
-        sys.modules["ray._raylet"].Config.initialize("")
 
 
 if __name__ == "__main__":  # scripts/_env.sh: `python -m raytrain.ray_auth` prints where the token lives

@@ -73,7 +73,7 @@ def run_checks(model_dir: str, expect_params: Optional[int] = None, prompt: str 
     if data:
         from raytrain.config import Config
         from raytrain.data.manifest import load_split
-        from raytrain.eval_cmd import eval_rows, loss_sums
+        from raytrain.evaluation import eval_rows, loss_sums
 
         cfg = Config.model_validate(meta["config"]) if "config" in meta else None
         mb, world = (cfg.batch.micro_batch_size, cfg.scaling.num_workers) if cfg else (8, 1)

@@ -7,7 +7,6 @@ here, so bad input fails in a second with one line instead of after a cluster sp
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 from typing import Callable, Optional
 
@@ -17,10 +16,6 @@ from raytrain.data.manifest import Split, load_split
 from raytrain.errors import UserError
 from raytrain.rundir import COMM_FAILURE, CONFIG, RunDir
 from raytrain.worker.runlog import read_summary
-
-# Non-secret S3 settings that workers need to see the same endpoint as the driver. Credentials are
-# never forwarded: every node gets them from its own AWS provider chain (instance profile, env, files).
-_FORWARDED_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION")
 
 
 def check_inputs(cfg: Config) -> tuple[Split, Optional[Split]]:
@@ -53,40 +48,13 @@ def check_inputs(cfg: Config) -> tuple[Split, Optional[Split]]:
     return train, val
 
 
-def init_ray(cfg: Config) -> bool:
-    """Connect to (or start) Ray. Returns True when raytrain started a private local instance."""
-    import ray
+def init_ray(cfg: Config, command: str = "train") -> bool:
+    """Connect to (or start) Ray as raytrain.ray_connect says. True when raytrain started a private local instance."""
+    from raytrain.ray_connect import connect
 
-    from raytrain.ray_auth import ensure_token
-
-    if ray.is_initialized():
-        return False
-    address = cfg.scaling.address or os.environ.get("RAY_ADDRESS")
-    ensure_token(create=not address)
-    if address and address.startswith(("http://", "https://")):
-        raise UserError(f"RAY_ADDRESS={address} is the Ray Jobs API address: submit with `ray job submit -- "
-                        f"raytrain train ...`, or run on a cluster node with scaling.address=auto")
-    # Inside `ray job submit` the job's runtime_env already reaches the workers; adding keys it also
-    # sets would make Ray refuse the merge.
-    in_job = bool(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") or os.environ.get("RAY_SUBMISSION_ID"))
-    env = {k: os.environ[k] for k in _FORWARDED_ENV if k in os.environ} if not in_job else {}
-    if address and address not in ("auto", "local") and not address.startswith("ray://"):
-        # Ray Train's placement-group cleaner looks the cluster up once a second; without an address it
-        # searches the machine, and with a second Ray instance there it warns on every look.
-        env["RAY_ADDRESS"] = address
-    runtime_env = {"env_vars": env} if env else None
-    # Workers' own lines (our progress lines, errors) reach this console; Ray's INFO chatter does not. A
-    # job-level logging config also drops the "(RayTrainWorker pid=...)" prefix from forwarded lines.
-    quiet = {"logging_level": logging.WARNING, "logging_config": ray.LoggingConfig(encoding="TEXT", log_level="WARNING")}
-    if address:
-        ray.init(address=address, runtime_env=runtime_env, log_to_driver=True, **quiet)
-        return False
-    # No address: a fresh local instance, never a stray cluster left on this machine. Its logical CPUs
-    # cover the workers and scaling.data_cpus (the readers' threads, uploads) at least.
+    # A local instance's logical CPUs cover the workers and scaling.data_cpus (the readers' threads, uploads).
     need = cfg.scaling.num_workers * cfg.scaling.cpus_per_worker + cfg.scaling.data_cpus
-    ray.init(address="local", num_cpus=max(int(need + 0.999), os.cpu_count() or 1), include_dashboard=False,
-             runtime_env=runtime_env, **quiet)
-    return True
+    return connect(command, cfg.scaling.address, local_cpus=need)
 
 
 def check_resume_compatible(cfg: Config) -> Config:
@@ -179,12 +147,12 @@ def _trainer_class():
     """
     from ray.train.torch import TorchTrainer
 
+    from raytrain.ray_internals import shorten_placement_group_cleaner
+
     class _TorchTrainer(TorchTrainer):
         def _create_default_callbacks(self):
             callbacks = super()._create_default_callbacks()
-            for cb in callbacks:
-                if type(cb).__name__ == "PlacementGroupCleanerCallback" and hasattr(cb, "_stop_timeout"):
-                    cb._stop_timeout = 2.0
+            shorten_placement_group_cleaner(callbacks, 2.0)
             return callbacks
 
     return _TorchTrainer

@@ -1,6 +1,6 @@
 """raytrain benchmark suite: every figure printed beside a baseline measured in the same run, all written as JSON.
 
-Parts (see raytrain/bench/parts.py):
+Parts (see scripts/benchkit/parts.py):
   overhead    raytrain tokens/s at steady state vs a plain PyTorch loop (1 worker) and plain DDP (2 workers)
   ingest      the training reader's tokens/s (PlannedReader, plan order) vs a raw pyarrow read; data wait in training
   checkpoint  save / restore MB/s to a local S3-protocol server (moto) vs raw boto3; async vs sync upload stall
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ["RAY_TRAIN_ENABLE_PRINT_PATCH"] = "0"
-    from raytrain.bench import parts as P
+    from benchkit import parts as P
 
     t_all = time.perf_counter()
     results = {"date": time.strftime("%Y-%m-%d %H:%M"), "quick": args.quick, "machine": machine(),
@@ -182,17 +182,17 @@ def main(argv: list[str] | None = None) -> dict:
             section("5. GPU MFU (bf16, SDPA) vs plain PyTorch + DeepSpeed",
                     lambda: P.gpu(tmp, args.quick))
         if "dataplane" in parts:
-            from raytrain.bench.dataplane import dataplane
+            from benchkit.dataplane import dataplane
 
             section("6. dataplane: the sample plan alone (no data), 1 TB of 2049-token rows in 1024-row units",
                     dataplane)
         if "dataplane_runs" in parts:
-            from raytrain.bench.dataplane import runs as dataplane_runs
+            from benchkit.dataplane import runs as dataplane_runs
 
             section("7. dataplane_runs: training under the plan, 1/2/4 workers, Parquet/WebDataset, local/S3",
                     lambda: dataplane_runs(tmp, s3="s3://bench/dataplane", quick=args.quick))
         if "memory" in parts:
-            from raytrain.bench.memory import memory
+            from benchkit.memory import memory
 
             section("8. memory: peak host RSS per worker, ZeRO-3, 1 / 2 / 4 workers", memory)
     finally:

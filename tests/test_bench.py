@@ -1,4 +1,4 @@
-"""The benchmark suite (scripts/bench.py, raytrain/bench) at tiny sizes, so it cannot rot.
+"""The benchmark suite (scripts/bench.py, scripts/benchkit) at tiny sizes, so it cannot rot.
 
 What is checked is that each part measures what it says beside its baseline and reports consistent
 figures - never speed itself (speed is judged by the benchmark's own ratios, not by timed tests).
@@ -8,6 +8,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,12 +16,14 @@ import pytest
 import torch
 
 from raytrain import checkpoints, storage
-from raytrain.bench import parts as P
 from raytrain.data.manifest import load_split
 from raytrain.data.plan import SamplePlan
 from raytrain.data.reader import read_rows
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))  # the benchmark harness (scripts/benchkit) is not part of the package
+
+from benchkit import parts as P  # noqa: E402
 
 
 def _script():
@@ -99,7 +102,7 @@ def test_script_rejects_unknown_parts():
 @pytest.mark.slow
 def test_plain_baselines_log_one_window_per_interval(tiny_data, tmp_path):
     """Part 1's baselines (plain loop, and the same loop driving raytrain's DeepSpeed config) at tiny size."""
-    from raytrain.bench.baselines import plain_loop
+    from benchkit.baselines import plain_loop
 
     cfg = P.train_cfg(str(tiny_data), str(tmp_path), "baseline", 1, 6, 2, "model.n_layer=1", "model.hidden_size=32",
                       "model.n_head=2", "model.seq_len=32", "batch.micro_batch_size=4")
@@ -148,7 +151,7 @@ def test_attention_is_sdpa_by_default():
 @pytest.mark.slow
 def test_torch_compile_with_deepspeed_on_cpu_trains_like_eager(tiny_data, tmp_path):
     """model.compile=true through DeepSpeed's engine.compile (inductor) on CPU at tiny size: same losses as eager."""
-    from raytrain.bench.baselines import plain_run
+    from benchkit.baselines import plain_run
 
     split = load_split(f"{tiny_data}/train").to_dict()
     base = ["model.n_layer=1", "model.hidden_size=32", "model.n_head=2", "model.seq_len=32", "batch.micro_batch_size=4"]

@@ -1,11 +1,16 @@
 """The sample plan alone: each sample at most once per epoch, batches independent of N, deterministic, resumable."""
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from raytrain.data.plan import SamplePlan, keyed_permute, units_of
 from raytrain.errors import UserError
 
+# The benchmark harness (scripts/benchkit) is not part of the package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 ROWS = [40] * 30 + [17]  # 31 shards, a short last one
 
 
@@ -78,7 +83,7 @@ def test_too_small_a_split_or_an_uneven_split_of_lanes_is_explained():
 
 
 def test_simulation_keeps_read_amplification_near_one_and_per_worker_cost_flat_in_n():
-    from raytrain.bench.dataplane import dataplane
+    from benchkit.dataplane import dataplane
 
     figs = {f["workers"]: f for f in dataplane(log=lambda *_: None, workers=(8, 64, 512), batches=(512,),
                                                 corpus_bytes=10 ** 11)}

@@ -164,7 +164,7 @@ def test_export_loads_and_scores_on_the_gpu(falls, tiny_data, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from raytrain.data.manifest import load_split
-    from raytrain.eval_cmd import eval_rows, loss_sums
+    from raytrain.evaluation import eval_rows, loss_sums
     from raytrain.export import export
     from raytrain.worker.evaluate import lm_loss
 

@@ -76,7 +76,7 @@ def test_export_loads_offline_with_same_logits_and_reported_val_loss(stage, runs
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from raytrain.data.manifest import load_split
-    from raytrain.eval_cmd import eval_rows, loss_sums
+    from raytrain.evaluation import eval_rows, loss_sums
     from raytrain.export import load_checkpoint
     from raytrain.model import param_count
 

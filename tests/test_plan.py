@@ -12,7 +12,7 @@ from raytrain.cli import main
 from raytrain.config import load_config
 from raytrain.errors import UserError
 from raytrain.model import build_model, param_count
-from raytrain.plan import activation_bytes, make_plan, model_config_for, model_states_bytes, parse_tokens, shape_of
+from raytrain.capacity import activation_bytes, make_plan, model_config_for, model_states_bytes, parse_tokens, shape_of
 
 GIB = 2**30
 

@@ -18,7 +18,7 @@ from raytrain.ds_config import build_ds_config
 from raytrain.errors import UserError
 from raytrain.export import export, load_checkpoint
 from raytrain.model import build_model, flops_per_token, moe_aux_loss, param_counts
-from raytrain.plan import shape_of
+from raytrain.capacity import shape_of
 from raytrain.trainer import train
 from tests.conftest import tiny_cfg
 

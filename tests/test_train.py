@@ -85,7 +85,7 @@ def test_crashed_worker_resumes_with_identical_losses(ray_cluster, tiny_data, tm
     lost = 6 - restart["resumed_step"]  # (-1 below: step 6's own write may not have landed before the kill)
     assert lost - 1 <= restart["lost_steps"] <= lost + unrecorded, (restart, report["step_s"])
     # `raytrain report` lists the restart with the step it resumed at and the steps it redid.
-    from raytrain.report_cmd import report as run_report
+    from raytrain.run_report import report as run_report
 
     _, md = run_report(cfg.run_uri)
     assert f"| 1 | {restart['resumed_step']} | {restart['lost_steps']} |" in storage.read_text(md)

@@ -10,6 +10,7 @@ import fnmatch
 import glob
 import io
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Optional
@@ -179,33 +180,21 @@ def _user_error_in(err: BaseException) -> Optional[str]:
 
 
 def use_ray(engine: str, local_init: Optional[dict] = None, before_local_start=None) -> bool:
-    """Whether to run on Ray, connecting first if needed. For a fresh local instance: before_local_start() is
-    called first (it may refuse with a UserError), then ray.init gets local_init's arguments."""
+    """Whether to run on Ray, connecting first if needed (raytrain.ray_connect). For a fresh local instance:
+    before_local_start() is called first (it may refuse with a UserError), then ray.init gets local_init's
+    arguments."""
     if engine == "local":
         return False  # without importing ray (a second of start-up)
-    import ray
+    from raytrain import ray_connect
 
-    address = os.environ.get("RAY_ADDRESS", "")
-    if address.startswith(("http://", "https://")) and not ray.is_initialized():
-        # The Jobs API address (what `ray job submit` uses, and `local_cluster.sh env` exports) is not one
-        # a driver can join: auto reads here in this process; an explicit ray engine needs a real one.
-        if engine == "ray":
-            raise UserError(f"engine=ray, but RAY_ADDRESS={address} is the Ray Jobs API address: submit with "
-                            "`ray job submit -- raytrain prepare ...`, or unset RAY_ADDRESS for a local Ray instance")
+    if ray_connect.already_connected():
+        return True
+    address = ray_connect.resolve()
+    if engine == "auto" and (address is None or ray_connect.is_jobs_api(address)):
+        # auto runs on Ray only where a cluster is named; the Jobs API address (what `ray job submit` uses,
+        # and `local_cluster.sh env` exports) names none a driver can join, so auto reads here, in this process.
         return False
-    if engine == "local" or (engine == "auto" and not ray.is_initialized() and not address):
-        return False
-    if not ray.is_initialized():
-        from raytrain.ray_auth import ensure_token
-
-        ensure_token(create=not os.environ.get("RAY_ADDRESS"))
-        # RAY_ADDRESS's cluster when set; otherwise a fresh local instance, never a stray cluster that
-        # an earlier `ray start` on this machine left behind (ray.init() alone would try to join it).
-        address = os.environ.get("RAY_ADDRESS") or "local"
-        kw = {}
-        if address == "local":
-            if before_local_start is not None:
-                before_local_start()
-            kw = dict(local_init or {})
-        ray.init(address=address, log_to_driver=False, include_dashboard=False, logging_level="ERROR", **kw)
+    ray_connect.check_address("prepare", prefix=f"engine={engine}, but ")
+    ray_connect.connect("prepare", local_options=local_init, before_local_start=before_local_start,
+                        worker_logs=False, logging_level=logging.ERROR)
     return True

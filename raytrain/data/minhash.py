@@ -22,7 +22,7 @@ NUM_PERM = 128  # 14 bands of 9 rows at threshold 0.9: see lsh_params and docs/D
 M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 
-def _mix(x: np.ndarray) -> np.ndarray:
+def mix(x: np.ndarray) -> np.ndarray:
     """splitmix64's finaliser: spreads every input bit over the whole word."""
     x = x ^ (x >> np.uint64(30))
     x = x * np.uint64(0xBF58476D1CE4E5B9)
@@ -31,7 +31,7 @@ def _mix(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
-_MULT = _mix(np.arange(1, SHINGLE + 1, dtype=np.uint64)) | np.uint64(1)  # per-position odd multipliers
+_MULT = mix(np.arange(1, SHINGLE + 1, dtype=np.uint64)) | np.uint64(1)  # per-position odd multipliers
 
 
 def _words(texts) -> tuple[np.ndarray, np.ndarray]:
@@ -74,7 +74,7 @@ def shingle_hashes(texts) -> tuple[np.ndarray, np.ndarray]:
     doc = np.repeat(np.arange(len(n_words)), n_words)
     keep = (np.arange(len(w)) - starts[:-1][doc]) < n_sh[doc]
     off = np.concatenate([[0], np.cumsum(n_sh)])
-    return _mix(sh[keep]), off
+    return mix(sh[keep]), off
 
 
 def shingle_set(text: str) -> set[int]:
@@ -117,11 +117,11 @@ def band_keys(sig: np.ndarray, bands: int, rows: int) -> np.ndarray:
     """uint64 [n, bands]: one key per band; two documents share a bucket when a band's keys are equal."""
     n = sig.shape[0]
     keys = np.zeros((n, bands), np.uint64)
-    mult = _mix(np.arange(7, 7 + rows, dtype=np.uint64)) | np.uint64(1)
+    mult = mix(np.arange(7, 7 + rows, dtype=np.uint64)) | np.uint64(1)
     salt = np.arange(bands, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)  # array maths wraps silently
     for j in range(bands):
         band = sig[:, j * rows:(j + 1) * rows].astype(np.uint64)
-        keys[:, j] = _mix((band * mult[None, :]).sum(axis=1, dtype=np.uint64) + salt[j])
+        keys[:, j] = mix((band * mult[None, :]).sum(axis=1, dtype=np.uint64) + salt[j])
     return keys
 
 

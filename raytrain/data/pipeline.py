@@ -202,8 +202,8 @@ def merge_stats(stats: list[dict], review_n: int) -> dict:
             t["tokens"] += x["tokens"]
             t["max"] = max(t["max"], x["max"])
             t["rows"] += x["rows"]
-            t["lengths"] = stages._bottom(t["lengths"] + [tuple(p) for p in x["lengths"]], MAX_LENGTH_SAMPLE)
-            t["review"] = stages._bottom(t["review"] + [tuple(p) for p in x["review"]], review_n)
+            t["lengths"] = stages.bottom(t["lengths"] + [tuple(p) for p in x["lengths"]], MAX_LENGTH_SAMPLE)
+            t["review"] = stages.bottom(t["review"] + [tuple(p) for p in x["review"]], review_n)
             rows_by_part[name][part] = x["rows"]
     offsets = {}
     for name, per in rows_by_part.items():

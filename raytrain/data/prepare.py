@@ -19,10 +19,10 @@ import os
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import Field, ValidationError
+from pydantic import Field
 
 from raytrain import storage
-from raytrain.config import _format_error, _Section, apply_overrides, check_key, load_yaml, parse_overrides
+from raytrain.config import Section, load_tree
 from raytrain.data import manifest as mf
 from raytrain.data import pipeline
 from raytrain.data.report import write_report
@@ -32,7 +32,7 @@ from raytrain.errors import UserError
 EOT = "<|endoftext|>"
 
 
-class PrepareConfig(_Section):
+class PrepareConfig(Section):
     inputs: list[str] = Field(default_factory=lambda: ["python-docs"], min_length=1,
                               description="local or s3:// files, globs or directories of .txt / .jsonl / .parquet, or the built-in corpus 'python-docs'")
     out: str = Field("data/python-docs", description="output dataset URI (local path or s3://)")
@@ -61,24 +61,9 @@ class PrepareConfig(_Section):
 
 
 def load_prepare_config(path: Optional[str], overrides: list[str]) -> PrepareConfig:
-    tree: dict[str, Any] = {}
-    if path:
-        try:
-            tree = load_yaml(open(path).read()) or {}
-        except OSError as e:
-            raise UserError(f"cannot read {path}: {e.strerror}") from None
-        except yaml.YAMLError as e:
-            raise UserError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
-        if not isinstance(tree, dict):
-            raise UserError(f"{path}: top level must be a mapping of prepare keys (inputs:, out:, ...)")
-    ov = parse_overrides(overrides)
-    for key in ov:
-        check_key(key, PrepareConfig)
-    tree = apply_overrides(tree, ov)
-    try:
-        return PrepareConfig.model_validate(tree)
-    except ValidationError as e:
-        raise UserError(_format_error(e).replace("config key", "prepare key")) from None
+    """Prepare settings: a YAML file (optional) + dotted overrides, validated (raytrain.config.load_tree)."""
+    return load_tree(path, overrides, root=PrepareConfig, what="prepare",
+                     top_level="of prepare keys (inputs:, out:, ...)")
 
 
 def train_tokenizer(docs: list[str], vocab_size: int, special_tokens: list[str] = (EOT,)):

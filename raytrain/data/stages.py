@@ -29,8 +29,8 @@ _TWO64 = float(2**64)
 
 def unit(k: np.ndarray, seed: int, what: str) -> np.ndarray:
     """A uniform [0, 1) number per document from its hash, the seed and a purpose: splits and samples."""
-    x = np.asarray(k, np.uint64) ^ minhash._mix(np.array([seed * 131 + _SALT[what]], np.uint64))[0]
-    return minhash._mix(x).astype(np.float64) / _TWO64
+    x = np.asarray(k, np.uint64) ^ minhash.mix(np.array([seed * 131 + _SALT[what]], np.uint64))[0]
+    return minhash.mix(x).astype(np.float64) / _TWO64
 
 
 def partition_of(k: np.ndarray, n_parts: int) -> np.ndarray:
@@ -132,7 +132,9 @@ def _tokenizer(tok_json: str):
     return _TOKENIZERS[key]
 
 
-def _bottom(pairs, n: int) -> list:
+def bottom(pairs, n: int) -> list:
+    """The n pairs with the smallest keys: a sample that merges across partitions (the bottom of the union is the
+    bottom of the bottoms)."""
     return heapq.nsmallest(n, pairs, key=lambda p: p[0])
 
 
@@ -183,9 +185,9 @@ def finalize_partition(group: pa.Table, *, tok_json: str, eot_id: int, window: i
         stats["splits"][split] = {
             "documents": int(len(idx)), "tokens": int(lens.sum()), "max": int(lens.max()) if len(lens) else 0,
             "rows": int(n),
-            "lengths": _bottom(((u, n) for u, n in zip(u_len[idx].tolist(), lens.tolist())
+            "lengths": bottom(((u, n) for u, n in zip(u_len[idx].tolist(), lens.tolist())
                                 if u < cutoffs[split]), MAX_LENGTH_SAMPLE),
-            "review": _bottom(((u, texts[i]) for u, i in zip(u_rev[idx].tolist(), idx) if u < cutoffs["review"]),
+            "review": bottom(((u, texts[i]) for u, i in zip(u_rev[idx].tolist(), idx) if u < cutoffs["review"]),
                               review_n) if split == "train" else [],
         }
     counts["kept"] = len(texts)

@@ -4,7 +4,7 @@ the traffic commands (split / promote / rollback) that talk to a running router 
 from __future__ import annotations
 
 import json
-import os
+import logging
 import signal
 import socket
 import time
@@ -12,29 +12,8 @@ import urllib.error
 import urllib.request
 from typing import Callable, Optional
 
+from raytrain import ray_connect
 from raytrain.errors import UserError
-
-
-def _connect_ray(need_cpus: float, metrics_port: Optional[int]) -> bool:
-    """Join RAY_ADDRESS's cluster; else start a private local instance sized for the replicas. True if started."""
-    import ray
-
-    from raytrain.ray_auth import ensure_token
-
-    if ray.is_initialized():
-        return False
-    address = os.environ.get("RAY_ADDRESS")
-    ensure_token(create=not address)  # a local instance starts with token authentication
-    if address and address.startswith(("http://", "https://")):
-        raise UserError(f"RAY_ADDRESS={address} is the Ray Jobs API address: on a cluster deploy with "
-                        f"`serve deploy cluster/serve.yaml` or `ray job submit -- raytrain serve ...`")
-    if address:
-        ray.init(address=address, log_to_driver=False)
-        return False
-    kw = {"_metrics_export_port": metrics_port} if metrics_port else {}
-    ray.init(address="local", num_cpus=max(int(need_cpus + 0.999), os.cpu_count() or 1), include_dashboard=False,
-             log_to_driver=False, **kw)
-    return True
 
 
 def _port_free(host: str, port: int) -> bool:
@@ -59,6 +38,7 @@ def serve_forever(model: str, port: int = 8000, host: str = "127.0.0.1", version
     local Ray instance when this process started it)."""
     from raytrain.serving.source import resolve
 
+    ray_connect.check_address("serve")  # before a model is resolved (which may export a checkpoint)
     if not 0 <= canary_fraction <= 1:
         raise UserError(f"--canary-fraction must be in [0, 1], got {canary_fraction}")
     if canary_fraction and not canary:
@@ -67,7 +47,7 @@ def serve_forever(model: str, port: int = 8000, host: str = "127.0.0.1", version
     can = resolve(canary, canary_version, log=log) if canary else None
     if can and can.version == stable.version:
         raise UserError(f"both versions are called {stable.version!r}; name them apart with --version / --canary-version")
-    if not os.environ.get("RAY_ADDRESS") and not _port_free(host, port):
+    if ray_connect.resolve() in ray_connect.LOCAL and not _port_free(host, port):  # a local instance serves here
         raise UserError(f"port {port} on {host} is in use; pass another --port")
 
     import ray
@@ -76,7 +56,9 @@ def serve_forever(model: str, port: int = 8000, host: str = "127.0.0.1", version
     from raytrain.serving.app import APP_NAME, build
 
     deployments = 1 + (can is not None)
-    started = _connect_ray(num_cpus * replicas * deployments, metrics_port)
+    started = ray_connect.connect("serve", local_cpus=num_cpus * replicas * deployments, worker_logs=False,
+                                  logging_level=logging.INFO,  # Serve's start-up lines stay on this console
+                                  local_options={"_metrics_export_port": metrics_port} if metrics_port else None)
     # SIGTERM (kill, a job stop) shuts down as cleanly as Ctrl-C; SIGINT is set too because a shell starts
     # background jobs with it ignored.
     signal.signal(signal.SIGTERM, _interrupt)
@@ -119,7 +101,7 @@ def serve_forever(model: str, port: int = 8000, host: str = "127.0.0.1", version
 
 def traffic(url: str, action: str, fraction: Optional[float] = None, timeout_s: float = 30) -> dict:
     """split / promote / rollback on a running `raytrain serve`; returns the router's new traffic state."""
-    from ray._raylet import AuthenticationTokenLoader
+    from raytrain.ray_internals import local_auth_token
 
     if action == "split":
         if fraction is None:
@@ -129,8 +111,7 @@ def traffic(url: str, action: str, fraction: Optional[float] = None, timeout_s: 
         path, body = f"/admin/{action}", {}
     # The token whenever this machine has one (RAY_AUTH_TOKEN, ~/.ray/auth_token): a local Ray turns token
     # authentication on by itself when a token exists, whether or not RAY_AUTH_MODE is set here.
-    loader = AuthenticationTokenLoader.instance()
-    token = loader.get_raw_token(ignore_auth_mode=True) if loader.has_token(ignore_auth_mode=True) else None
+    token = local_auth_token()
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
     req = urllib.request.Request(url.rstrip("/") + path, data=json.dumps(body).encode(), headers=headers,
                                  method="POST")

@@ -63,7 +63,7 @@ def run_sweep(spec: SweepSpec, resume: bool = False, log: Callable[[str], None] 
     storage.check_writable(sdir)
     root, fs = storage.ray_storage(sdir.rsplit("/", 1)[0])
     exp_path = f"{root}/{spec.name}"
-    started = init_ray(probe)
+    started = init_ray(probe, "tune")
     try:
         exists = tune.Tuner.can_restore(exp_path, storage_filesystem=fs)
         if resume and not exists:

@@ -9,8 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from raytrain import config as tcfg
 from raytrain.config import Config
@@ -112,22 +111,6 @@ class SweepSpec(_Section):
         return self.objective.mode or METRICS[self.objective.metric]
 
 
-def _format_error(err: ValidationError) -> str:
-    msgs = []
-    for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"])
-        if e["type"] == "extra_forbidden":
-            cls: Any = SweepSpec
-            for part in e["loc"][:-1]:
-                cls = cls.model_fields[part].annotation
-            msgs.append(f"unknown tune config key {key!r} (allowed here: {', '.join(cls.model_fields)})")
-        elif key:
-            msgs.append(f"tune config key {key!r}: {e['msg'].lower()} (got {e.get('input')!r})")
-        else:
-            msgs.append(f"tune config: {e['msg'].removeprefix('Value error, ')}")
-    return "; ".join(msgs)
-
-
 def _resolve_path(name_or_path: str) -> Path:
     p = Path(name_or_path).expanduser()
     if p.is_file():
@@ -141,16 +124,14 @@ def _resolve_path(name_or_path: str) -> Path:
 def load_spec(name_or_path: Optional[str], overrides: Optional[list[str]] = None) -> SweepSpec:
     """YAML + dotted overrides -> a checked SweepSpec. Training keys (model.*, optim.*, ...) given on the
     command line go to `overrides`; the rest address the sweep config itself (budget.max_steps=20)."""
-    tree: dict = {}
-    if name_or_path:
-        path = _resolve_path(name_or_path)
-        try:
-            tree = tcfg.load_yaml(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise UserError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
-        if not isinstance(tree, dict):
-            raise UserError(f"{path}: top level must be a mapping (name:, base:, space:, ...)")
-    for key, value in tcfg.parse_overrides(overrides or []).items():
+    spec = tcfg.load_tree(_resolve_path(name_or_path) if name_or_path else None, overrides or [], root=SweepSpec,
+                          what="tune config", top_level="(name:, base:, space:, ...)", place=_place_overrides)
+    check(spec)
+    return spec
+
+
+def _place_overrides(tree: dict, overrides: dict[str, Any]) -> dict:
+    for key, value in overrides.items():
         head, _, rest = key.partition(".")
         if head in Config.model_fields:
             tree.setdefault("overrides", {})[key] = value
@@ -161,12 +142,7 @@ def load_spec(name_or_path: Optional[str], overrides: Optional[list[str]] = None
         else:
             raise UserError(f"unknown key {key!r}: neither a training config key ({', '.join(Config.model_fields)}) "
                             f"nor a tune config key ({', '.join(SweepSpec.model_fields)})")
-    try:
-        spec = SweepSpec.model_validate(tree)
-    except ValidationError as err:
-        raise UserError(_format_error(err)) from None
-    check(spec)
-    return spec
+    return tree
 
 
 def base_config(spec: SweepSpec) -> Config:

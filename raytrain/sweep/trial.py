@@ -19,12 +19,12 @@ from typing import Any, Optional
 
 import ray
 from ray import tune
-from ray.train.v2._internal.execution.callback import ControllerCallback
 from ray.tune.integration.ray_train import TuneReportCallback
 from ray.tune.trainable.function_trainable import wrap_function
 
 from raytrain import storage
 from raytrain.config import load_config
+from raytrain.ray_internals import controller_callback_base
 from raytrain.sweep.spec import SweepSpec, trial_overrides
 
 # Per trial-actor process: the queue through which this trial's Train controller announces itself.
@@ -54,7 +54,7 @@ class _ReportObjective(TuneReportCallback):
         time.sleep(0.5)
 
 
-class _AnnounceController(ControllerCallback):
+class _AnnounceController(controller_callback_base()):
     """Runs inside the Train controller: hands the trial a handle to it, for a clean abort on stop."""
 
     def __init__(self, queue):

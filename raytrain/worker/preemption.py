@@ -80,9 +80,9 @@ class PreemptionNotice:
         deadline = time.monotonic() + wait_s
         while True:
             try:
-                from ray.train.v2._internal.execution.context import get_train_context
+                from raytrain.ray_internals import train_context
 
-                info = get_train_context().preemption_context.preemption_info
+                info = train_context().preemption_context.preemption_info
             except Exception as e:  # noqa: BLE001 - e.g. no Train context: SIGTERM still works
                 self._info_broken = True
                 if self.rank == 0:

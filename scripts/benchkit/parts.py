@@ -75,7 +75,7 @@ def overhead(data: str, tmp: str, quick: bool, log: Callable = print) -> tuple[l
     """raytrain (Ray Train + DeepSpeed + Ray Data) against a plain loop (1 worker) and DDP (2 workers).
 
     Returns the figures and the raytrain runs' metrics records (part 2 reads their data wait)."""
-    from raytrain.bench.baselines import plain_loop
+    from benchkit.baselines import plain_loop
     from raytrain.data.manifest import load_split
     from raytrain.trainer import train
 
@@ -451,7 +451,7 @@ def gpu(tmp: str, quick: bool, log: Callable = print) -> list[dict]:
 
 
 def _gpu_baseline(cfg_dict: dict, vocab: int, steps: int) -> float:
-    from raytrain.bench.baselines import deepspeed_gpu_loop
+    from benchkit.baselines import deepspeed_gpu_loop
     from raytrain.config import Config
 
     return deepspeed_gpu_loop(Config.model_validate(cfg_dict), vocab, steps, warmup=10)

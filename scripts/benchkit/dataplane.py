@@ -47,7 +47,7 @@ def simulate(plan: SamplePlan, world: int, epoch: int = 0, probe_steps: int = 64
 
 def dataplane(log: Callable = print, workers=(8, 64, 512, 1024), batches=(512, 1024, 2048, 4096),
               corpus_bytes: int = CORPUS_BYTES) -> list[dict]:
-    from raytrain.bench.parts import figure
+    from benchkit.parts import figure
 
     n_units = corpus_bytes // (ROW_BYTES * UNIT_ROWS)
     t = time.perf_counter()
@@ -83,7 +83,7 @@ def runs(tmp: str, log: Callable = print, workers=(1, 2, 4), steps: int = 0, s3:
     import os
 
     from raytrain import storage
-    from raytrain.bench.parts import figure
+    from benchkit.parts import figure
     from raytrain.config import load_config
     from raytrain.data.manifest import load_split
     from raytrain.data.plan import SamplePlan

@@ -47,28 +47,13 @@ def _remote_loss(model_ref, rows: np.ndarray, micro_batch: int) -> tuple[float, 
     return loss_sums(model_ref, rows, micro_batch)
 
 
-def _connect_ray() -> bool:
-    """Join RAY_ADDRESS's cluster (or the one this process already has); else start a local one. True if started."""
-    import ray
-
-    from raytrain.ray_auth import ensure_token
-
-    if ray.is_initialized():
-        return False
-    address = os.environ.get("RAY_ADDRESS")
-    ensure_token(create=not address or address.startswith(("http://", "https://")))
-    if address and not address.startswith(("http://", "https://")):
-        ray.init(address=address)
-        return False
-    ray.init(address="local", num_cpus=os.cpu_count() or 1, include_dashboard=False)
-    return True
-
-
 def distributed_loss(model: torch.nn.Module, rows: np.ndarray, micro_batch: int, workers: int) -> tuple[float, int]:
     """Score rows on `workers` Ray tasks (contiguous micro-batch-aligned slices); sums come back to the driver."""
     import ray
 
-    started = _connect_ray()
+    from raytrain.ray_connect import connect
+
+    started = connect("eval", worker_logs=False)
     try:
         remote = ray.remote(num_cpus=1)(_remote_loss)
         model_ref = ray.put(model)
@@ -87,8 +72,11 @@ def evaluate(checkpoint: Optional[str] = None, model_dir: Optional[str] = None, 
     from raytrain.data.manifest import load_split
     from raytrain.export import EXPORT_META, load_checkpoint, reported_val
 
+    from raytrain.ray_connect import check_address
+
     if (checkpoint is None) == (model_dir is None):
         raise UserError("pass exactly one of --checkpoint URI or --model DIR")
+    check_address("eval")  # before the model is loaded
     if checkpoint is not None:
         ck = load_checkpoint(checkpoint)
         model, cfg, step, reported = ck.model, ck.cfg, ck.step, reported_val(ck.uri.rsplit("/", 1)[0], ck.step)

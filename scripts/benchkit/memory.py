@@ -109,7 +109,7 @@ def run_workers(n: int, overrides: dict, pythonpath: str, timeout_s: float = 180
 def memory(log: Callable = print, workers: tuple[int, ...] = (1, 2, 4), pythonpath: Optional[str] = None) -> list[dict]:
     """Peak host RSS above the after-import RSS, per worker, at 1, 2 and 4 workers; ratios against 1 worker, and
     the decomposition peak(N) = fixed + states / N fitted to the three points."""
-    from raytrain.bench.parts import figure
+    from benchkit.parts import figure
 
     root = pythonpath or os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     peaks, detail = {}, {}

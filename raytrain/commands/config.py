@@ -1,0 +1,24 @@
+"""`raytrain config`: the resolved config of a recipe + overrides (or the reference of every key) printed."""
+
+from __future__ import annotations
+
+
+def add_parser(subparsers):
+    c = subparsers.add_parser("config", help="print the resolved config")
+    c.add_argument("--config", "-c", default="tiny")
+    c.add_argument("--reference", action="store_true", help="print every config key as Markdown")
+    c.add_argument("overrides", nargs="*")
+    return c
+
+
+def run(args) -> int:
+    from raytrain.config import load_config, reference_markdown
+
+    if args.reference:
+        print(reference_markdown())
+        return 0
+    cfg = load_config(args.config, args.overrides)
+    print(cfg.to_yaml(), end="")
+    print(f"# derived: gradient_accumulation_steps={cfg.accumulation} global_batch_size={cfg.global_batch} "
+          f"run_uri={cfg.run_uri}")
+    return 0

@@ -1,0 +1,44 @@
+"""`raytrain serve`: a model over HTTP on Ray Serve, or `serve promote|rollback|split` on a running server."""
+
+from __future__ import annotations
+
+from raytrain.errors import UserError
+
+
+def add_parser(subparsers):
+    sv = subparsers.add_parser("serve", help="serve a model over HTTP on Ray Serve (POST /predict, /v1/completions); "
+                               "`serve promote|rollback|split --url URL` moves traffic between versions")
+    sv.add_argument("model", help="exported model directory (local or s3://), a run directory (its newest complete "
+                    "checkpoint, exported on the fly), RUN@TAG (a tagged version), or promote / rollback / split")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    sv.add_argument("--version", default=None, help="version name in responses (default: the tag, the directory's "
+                    "name or step-N)")
+    sv.add_argument("--canary", default=None, help="a second model served beside the first (same forms as MODEL)")
+    sv.add_argument("--canary-version", default=None, help="the canary's version name")
+    sv.add_argument("--canary-fraction", type=float, default=None, help="share of requests the canary answers "
+                    "(0..1); with split: the new share")
+    sv.add_argument("--url", default=None, help="promote / rollback / split: the running server")
+    sv.add_argument("--replicas", type=int, default=1, help="model replicas per version (autoscaling minimum)")
+    sv.add_argument("--max-replicas", type=int, default=None, help="autoscale up to this many replicas per version")
+    sv.add_argument("--cpus-per-replica", type=float, default=1)
+    sv.add_argument("--max-batch-size", type=int, default=8, help="Serve dynamic batching: requests per batch")
+    sv.add_argument("--metrics-port", type=int, default=None, help="local Ray only: Prometheus metrics on this port")
+    sv.add_argument("--ready-file", default=None, help="write {url, stable, canary} here once serving (for scripts)")
+    return sv
+
+
+def run(args) -> int:
+    from raytrain.serving.run import serve_forever, traffic
+
+    if args.model in ("promote", "rollback", "split"):
+        if not args.url:
+            raise UserError(f"serve {args.model} needs --url of the running server, e.g. --url http://127.0.0.1:8000")
+        state = traffic(args.url, args.model, args.canary_fraction)
+        print(f"stable {state['stable']}" + (f", canary {state['canary']} at {state['canary_fraction']:.0%}"
+                                             if state["canary"] else ", no canary"))
+        return 0
+    return serve_forever(args.model, port=args.port, host=args.host, version=args.version, canary=args.canary,
+                         canary_version=args.canary_version, canary_fraction=args.canary_fraction or 0.0,
+                         replicas=args.replicas, max_replicas=args.max_replicas, num_cpus=args.cpus_per_replica,
+                         max_batch_size=args.max_batch_size, metrics_port=args.metrics_port, ready_file=args.ready_file)

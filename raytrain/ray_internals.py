@@ -1,0 +1,81 @@
+"""Every use of Ray's private modules, in one place: written against ray 2.60.0 (pinned in pyproject.toml).
+
+Ray has no public API for these; each is a small named function here so that a Ray upgrade means reading
+this one file. Nothing here imports Ray at module import: callers decide when Ray is loaded.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Optional
+
+RAY_VERSION = "2.60.0"
+
+
+def train_context():
+    """The Ray Train worker's own context (inside a Train worker); its preemption info is read without a remote call."""
+    from ray.train.v2._internal.execution.context import get_train_context
+
+    return get_train_context()
+
+
+def quiet_train_report_logger(level: int = logging.WARNING) -> None:
+    """Ray Train's "Reporting training result N" comes from a logger named by its file path, outside ray.train."""
+    try:
+        from ray.train.v2._internal.execution import context
+    except ImportError:
+        return
+    logger = getattr(context, "logger", None)
+    if logger is not None:
+        logger.setLevel(level)
+
+
+def controller_callback_base() -> type:
+    """The base class of callbacks that run inside the Train controller (Train v2 has no public one)."""
+    from ray.train.v2._internal.execution.callback import ControllerCallback
+
+    return ControllerCallback
+
+
+def shorten_placement_group_cleaner(callbacks: list, stop_timeout_s: float) -> None:
+    """Ray's PlacementGroupCleanerCallback exits inside its own stop(), so the controller always waits out its
+    whole stop timeout (12 s); set a shorter one on the trainer's default callbacks."""
+    for cb in callbacks:
+        if type(cb).__name__ == "PlacementGroupCleanerCallback" and hasattr(cb, "_stop_timeout"):
+            cb._stop_timeout = stop_timeout_s
+
+
+def reset_token_cache() -> None:
+    """Ray's token loader caches "no token" once it has looked; forget that after a token file is created."""
+    if "ray._raylet" in sys.modules:
+        sys.modules["ray._raylet"].AuthenticationTokenLoader.instance().reset_cache()
+
+
+def reload_ray_config() -> None:
+    """Ray caches its config (auth mode included) when its core module loads; re-read it from the environment
+    (what ray.init() does when it turns token mode on by itself)."""
+    if "ray._raylet" in sys.modules:
+        sys.modules["ray._raylet"].Config.initialize("")
+
+
+def local_auth_token() -> Optional[str]:
+    """The token this machine has (RAY_AUTH_TOKEN, its file), whether or not RAY_AUTH_MODE is set here; None if none."""
+    from ray._raylet import AuthenticationTokenLoader
+
+    loader = AuthenticationTokenLoader.instance()
+    return loader.get_raw_token(ignore_auth_mode=True) if loader.has_token(ignore_auth_mode=True) else None
+
+
+def token_auth_enabled() -> bool:
+    """Whether the Ray instance this process belongs to uses token authentication."""
+    from ray._private.authentication.authentication_utils import is_token_auth_enabled
+
+    return is_token_auth_enabled()
+
+
+def valid_request_token(authorization: str) -> bool:
+    """Whether an HTTP Authorization header carries this cluster's Ray token."""
+    from ray._private.authentication.authentication_utils import validate_request_token
+
+    return validate_request_token(authorization)

@@ -1,0 +1,58 @@
+"""How commands reach Ray (raytrain.ray_connect): a Jobs API address is refused with the same one line by every
+command that connects, before anything is loaded or started."""
+
+import sys
+import time
+
+import pytest
+
+from raytrain.cli import main
+
+JOBS_API = "http://127.0.0.1:8265"
+
+
+@pytest.fixture
+def jobs_api_address(monkeypatch):
+    monkeypatch.setenv("RAY_ADDRESS", JOBS_API)
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        # This process may hold the session's Ray (a connected process keeps its connection); the commands
+        # must answer as they do in a fresh process, where `raytrain ...` runs.
+        monkeypatch.setattr(ray, "is_initialized", lambda: False)
+
+
+@pytest.mark.parametrize("argv", [
+    ["train", "--config", "tiny", "data.train=/nonexistent/train"],
+    ["eval", "--checkpoint", "/nonexistent/run/checkpoint_000001"],
+    ["serve", "/nonexistent/model"],
+])
+def test_jobs_api_address_is_one_line_for_every_command(jobs_api_address, capsys, argv):
+    t0 = time.monotonic()
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"raytrain: error: RAY_ADDRESS={JOBS_API} is the Ray Jobs API address, which a driver cannot "
+                   f"join: submit with `ray job submit -- raytrain {argv[0]} ...`, or on a cluster node set "
+                   f"{'scaling.address' if argv[0] == 'train' else 'RAY_ADDRESS'}=auto"]
+    assert time.monotonic() - t0 < 30  # refused before any model, data or cluster is touched
+
+
+def test_scaling_address_is_named_when_it_is_the_jobs_api(capsys, monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert main(["train", "--config", "tiny", f"scaling.address={JOBS_API}"]) == 2
+    assert capsys.readouterr().err.startswith(f"raytrain: error: scaling.address={JOBS_API} is the Ray Jobs API")
+
+
+def test_workers_get_the_s3_endpoint_and_the_cluster_address(monkeypatch):
+    from raytrain.ray_connect import forwarded_env
+
+    for k in ("RAY_JOB_CONFIG_JSON_ENV_VAR", "RAY_SUBMISSION_ID", "AWS_REGION", "AWS_DEFAULT_REGION",
+              "AWS_ENDPOINT_URL_S3"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9000")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "never-forwarded")
+    assert forwarded_env(None) == {"AWS_ENDPOINT_URL": "http://127.0.0.1:9000"}
+    assert forwarded_env("auto") == {"AWS_ENDPOINT_URL": "http://127.0.0.1:9000"}
+    assert forwarded_env("ray://head:10001") == {"AWS_ENDPOINT_URL": "http://127.0.0.1:9000"}
+    assert forwarded_env("10.0.0.1:6379") == {"AWS_ENDPOINT_URL": "http://127.0.0.1:9000", "RAY_ADDRESS": "10.0.0.1:6379"}
+    monkeypatch.setenv("RAY_SUBMISSION_ID", "raysubmit_1")  # inside `ray job submit`: the job's env already applies
+    assert forwarded_env("10.0.0.1:6379") == {}
