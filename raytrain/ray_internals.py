@@ -46,6 +46,45 @@ def shorten_placement_group_cleaner(callbacks: list, stop_timeout_s: float) -> N
             cb._stop_timeout = stop_timeout_s
 
 
+def pin_preemption_watcher_to_head(callbacks: list) -> list:
+    """Ray's drain watcher, started on the head node without restarts instead of anywhere with max_restarts=-1.
+
+    Ray 2.60's controller adds a PreemptionCallback that passes the workers' actor handles to the watcher's
+    constructor; handles go through the object store, and with max_restarts > 0 Ray Core prints an error-level
+    line on every run (ray-project/ray#53727). The head node is the cluster's on-demand node: a watcher there
+    has no node to lose (when the head goes, the run goes), so it needs no restarts and no line is printed.
+    Ray's own is turned off through its switch, which the trainer propagates to the controller; a user who
+    set that switch keeps Ray's behaviour.
+    """
+    import os
+
+    import ray
+    from ray.train.v2._internal.callbacks.preemption_callback import PreemptionCallback
+    from ray.train.v2._internal.constants import ENABLE_PREEMPTION_WATCHER_ENV_VAR
+    from ray.train.v2._internal.execution.preemption import PreemptionWatcher
+
+    if ENABLE_PREEMPTION_WATCHER_ENV_VAR in os.environ:
+        return callbacks
+
+    class HeadPreemptionCallback(PreemptionCallback):
+        def after_worker_group_start(self, worker_group) -> None:
+            self._stop_watcher()  # a previous group's watcher, as Ray's own callback does
+            node_to_ranks: dict = {}
+            actors: dict = {}
+            for w in worker_group.get_workers():
+                rank = w.distributed_context.world_rank
+                node_to_ranks.setdefault(w.metadata.node_id, []).append(rank)
+                actors[rank] = w.actor
+            watcher = ray.remote(num_cpus=0, max_restarts=0, resources={"node:__internal_head__": 0.001})(
+                PreemptionWatcher)
+            self._watcher = watcher.remote(node_to_ranks=node_to_ranks, poll_interval_s=self._poll_interval_s,
+                                           worker_actors_by_rank=actors)
+
+    # Process-wide, not set and unset around one run: Tune starts trials' controllers from several threads.
+    os.environ[ENABLE_PREEMPTION_WATCHER_ENV_VAR] = "0"
+    return [*callbacks, HeadPreemptionCallback()]
+
+
 def reset_token_cache() -> None:
     """Ray's token loader caches "no token" once it has looked; forget that after a token file is created."""
     if "ray._raylet" in sys.modules:
