@@ -299,10 +299,12 @@ def _fit(shape: Shape, gpu: Gpu, gpus: int, gpn: int, strat: tuple, ckpt: bool, 
             best = mb
     mb_used = best or mb_fixed or 1
     total = dev + RUNTIME_OVERHEAD_GIB * GIB + activation_bytes(shape, mb_used, ckpt)
-    return Option(name + ("+ckpt" if ckpt else ""), stage, off_o, off_p, ckpt, dev / GIB, host / GIB,
-                  per_sample / GIB, total / GIB, best, best > 0, host <= host_limit,
-                  factor * (CHECKPOINTING_FACTOR if ckpt else 1.0),
-                  restore_bytes_per_node(shape, stage, gpus, gpn) / GIB)
+    return Option(name + ("+ckpt" if ckpt else ""), zero_stage=stage, offload_optimizer=off_o, offload_param=off_p,
+                  activation_checkpointing=ckpt, model_states_gib=dev / GIB, host_gib_per_node=host / GIB,
+                  activations_gib_per_sample=per_sample / GIB, total_gib_at_micro_batch=total / GIB,
+                  max_micro_batch=best, fits=best > 0, host_fits=host <= host_limit,
+                  throughput_factor=factor * (CHECKPOINTING_FACTOR if ckpt else 1.0),
+                  restore_gib_per_node=restore_bytes_per_node(shape, stage, gpus, gpn) / GIB)
 
 
 def _best(options: list[Option], seq_len: int) -> Optional[Option]:
