@@ -134,14 +134,14 @@ def _jsonl(uri: str) -> list[dict]:
 
 def _committed_time(run_uri: str, step: int) -> Optional[float]:
     """When the checkpoint at `step` was committed (its manifest), if it is still there."""
-    from raytrain import checkpoints
+    from raytrain.ckpt.layout import MANIFEST, dir_name, parse_timestamp
 
-    uri = storage.join(run_uri, f"checkpoint_{step:08d}", checkpoints.MANIFEST)
+    uri = storage.join(run_uri, dir_name(step), MANIFEST)
     if not storage.exists(uri):
         return None
     try:
-        committed = json.loads(storage.read_text(uri))["committed"]
-        return time.mktime(time.strptime(committed, "%Y-%m-%dT%H:%M:%SZ")) - time.timezone
+        # UTC, as written: a local-time conversion is an hour off wherever the zone has daylight saving.
+        return parse_timestamp(json.loads(storage.read_text(uri))["committed"])
     except (ValueError, KeyError):
         return None
 
