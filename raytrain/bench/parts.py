@@ -225,7 +225,7 @@ def _tree_bytes(d: str) -> int:
 
 
 def _same_tree(a: str, b: str) -> bool:
-    from raytrain.checkpoints import hash_local_files
+    from raytrain.ckpt.layout import hash_local_files
 
     return hash_local_files(a) == hash_local_files(b)
 
@@ -238,7 +238,9 @@ def checkpoint(tmp: str, bucket: str, total_bytes: int, reps: int, log: Callable
     import boto3
 
     from raytrain.config import Config
-    from raytrain.worker.checkpoint import CheckpointWriter, TrainState
+    from raytrain.ckpt.layout import dir_name
+    from raytrain.ckpt.state import TrainState
+    from raytrain.ckpt.writer import CheckpointWriter
 
     engine = StandInEngine(total_bytes)
     src = os.path.join(tmp, "ckpt-src")
@@ -319,13 +321,13 @@ def checkpoint(tmp: str, bucket: str, total_bytes: int, reps: int, log: Callable
     for mode in ("sync", "async"):
         c = Config().checkpoint.model_copy(update={"upload": mode, "keep_last": 2, "upload_retries": 0,
                                                    "staging_dir": os.path.join(tmp, "staging")})
-        w = CheckpointWriter(c, f"s3://{bucket}/{prefix}/stall-{mode}", rank=0, world=1)
+        w = CheckpointWriter(c, run_uri=f"s3://{bucket}/{prefix}/stall-{mode}", rank=0, world=1)
         stalls[mode] = []
         for step in range(1, reps + 1):
             w.save(engine, TrainState(step=step, world_size=1), "bench: true\n")
             stalls[mode].append(w.last_stall_s)
             w.wait()
-            assert w.committed == f"checkpoint_{step:08d}", w.failed
+            assert w.committed == dir_name(step), w.failed
         uploads[mode] = w.last_upload_s
         storage.delete_dir(f"s3://{bucket}/{prefix}/stall-{mode}")
     a, s = min(stalls["async"]), min(stalls["sync"])

@@ -24,14 +24,18 @@ from raytrain.quiet import no_stdout, quiet_worker
 from raytrain.ds_config import build_ds_config, lr_lambda, resolve_dtype
 from raytrain.errors import UserError
 from raytrain.model import build_model, param_groups, compile_engine, flops_per_token, moe_aux_loss, param_counts
-from raytrain.worker import checkpoint as ckpt
+from raytrain.ckpt.layout import dir_name
+from raytrain.ckpt.restore import find_resume_point, peek_state, restore
+from raytrain.ckpt.rollback import roll_back
+from raytrain.ckpt.state import TrainState
+from raytrain.ckpt.writer import CheckpointWriter
 from raytrain.worker.comm import FAILURE_FILE as COMM_FAILURE_FILE, CommWatch
 from raytrain.worker.data_plane import DataPlane
 from raytrain.worker.evaluate import Evaluator, lm_loss
 from raytrain.worker.interval import CheckpointInterval, run_history
 from raytrain.worker.preemption import PreemptionNotice
 from raytrain.worker.runlog import SUMMARY, Heartbeat, RunLog, progress_every, record_attempt, say
-from raytrain.worker.telemetry import Telemetry, nan_hook, oom_guard, rollback
+from raytrain.worker.telemetry import Telemetry, nan_hook, oom_guard
 
 
 def _to_device(rows: np.ndarray, device: torch.device, pin: bool) -> torch.Tensor:
@@ -78,10 +82,10 @@ def train_loop_per_worker(loop_config: dict) -> None:
     # restart inside one job or the same run submitted again. (Ray's own registry can miss the newest
     # one when a worker dies right after uploading; our manifests cannot.) A checkpoint written by
     # another number of workers is loaded through DeepSpeed's universal format.
-    resumed = ckpt.find_resume_point(cfg.run_uri, rank, deep=cfg.checkpoint.verify_on_resume == "checksum",
-                                     local_dir=cfg.checkpoint.local_dir,
-                                     tensor_parallel=cfg.deepspeed.tensor_parallel_size > 1)
-    resharding = resumed is not None and ckpt.peek_state(resumed).world_size != world
+    resumed = find_resume_point(cfg.run_uri, rank, deep=cfg.checkpoint.verify_on_resume == "checksum",
+                                local_dir=cfg.checkpoint.local_dir,
+                                tensor_parallel=cfg.deepspeed.tensor_parallel_size > 1)
+    resharding = resumed is not None and peek_state(resumed).world_size != world
     boot = {"resume_point": time.time()}  # start-up phases (when each ended): where a recovery's seconds go
 
     # Model and engine. DeepSpeed reuses the process group Ray Train already set up.
@@ -107,9 +111,9 @@ def train_loop_per_worker(loop_config: dict) -> None:
     compile_engine(engine, cfg.model)
     dp_rank, dp_size = _data_parallel_rank(cfg, rank, world)
     boot["engine"] = time.time()
-    state = ckpt.TrainState(world_size=world, global_batch=cfg.global_batch)
+    state = TrainState(world_size=world, global_batch=cfg.global_batch)
     if resumed is not None:
-        state = ckpt.restore(engine, resumed, rank, world)
+        state = restore(engine, resumed, rank=rank, world=world)
         state.restarts += 1
         state.global_batch = cfg.global_batch
     # The run's earlier attempts: a restart from scratch (an attempt that died before its first checkpoint
@@ -126,8 +130,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
     log = RunLog(cfg.run_uri, cfg.run.max_steps, state.step, enabled=rank == 0,
                  progress_every=progress_every(cfg.run.progress_every, cfg.run.log_every, cfg.run.max_steps))
     # The checkpoint this attempt resumed from is never pruned while it runs.
-    writer = ckpt.CheckpointWriter(cfg.checkpoint, cfg.run_uri, rank, world,
-                                   protect=(f"{cfg.run_uri}/{ckpt.dir_name(state.step)}",) if resumed else ())
+    writer = CheckpointWriter(cfg.checkpoint, run_uri=cfg.run_uri, rank=rank, world=world,
+                              protect=(f"{cfg.run_uri}/{dir_name(state.step)}",) if resumed else ())
     interval = CheckpointInterval(cfg.checkpoint.every_n_steps, cfg.checkpoint.mtbf_s, cfg.checkpoint.auto_initial_cost_s,
                                   *history)
     interval.seed([r["ckpt_stall_s"] for r in log.history if isinstance(r.get("ckpt_stall_s"), (int, float))])
@@ -138,7 +142,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     parts = _Parts(cfg, rank, world, engine, data, tel, log, writer, interval, notice, evaluate, dtype)
     _start(parts, state, n_params, dp_size, resumed is not None)
 
-    last_ckpt = ckpt.dir_name(state.step) if resumed else None
+    last_ckpt = dir_name(state.step) if resumed else None
     crash_at = _crash_hook(loop_config.get("inject") or {}, rank)
     poison = nan_hook(loop_config.get("inject") or {}, rank, gb)
     first = _Attempt(cfg.run_uri, rank, world, state, t_start, boot)  # recovery time, steps lost, cost
@@ -193,7 +197,7 @@ class _Parts:
     data: DataPlane
     tel: Telemetry
     log: RunLog
-    writer: ckpt.CheckpointWriter
+    writer: CheckpointWriter
     interval: CheckpointInterval
     notice: PreemptionNotice
     evaluate: Optional[Evaluator]
@@ -213,7 +217,8 @@ def _start(p: _Parts, state, n_params: int, dp_size: int, resumed: bool) -> None
 def _roll_back(p: _Parts, bad, state, win: "_Window"):
     """A bad loss: back to the newest checkpoint, past the bad batch (collective); returns the new state."""
     p.writer.wait()  # the newest checkpoint must be committed before it can be rolled back to
-    state = rollback(bad, p.tel, p.engine, state, p.data, p.cfg.run_uri, p.cfg.global_batch)
+    state = roll_back(bad, tel=p.tel, engine=p.engine, state=state, data=p.data, run_uri=p.cfg.run_uri,
+                      global_batch=p.cfg.global_batch)
     p.data.run_until(p.cfg.run.max_steps - state.step)  # the steps since the checkpoint are trained again
     p.log.rewind(state.step)
     p.log.write({"step": state.step, "event": "rollback", **p.tel.rolled_back[-1]}, sync=True)
@@ -453,7 +458,7 @@ def _crash_hook(inject: dict, rank: int):
     return hook
 
 
-def _write_summary(cfg: Config, log: RunLog, state: ckpt.TrainState, last_ckpt, n_params: int,
+def _write_summary(cfg: Config, log: RunLog, state: TrainState, last_ckpt, n_params: int,
                    extra: dict | None = None) -> None:
     import json
 
