@@ -60,7 +60,7 @@ def timestamp(t: Optional[float] = None) -> str:
 
 
 def parse_timestamp(s: str) -> float:
-    """Epoch seconds of a time stamp written by `timestamp` (UTC, whatever the local zone); ValueError if it is not one."""
+    """Epoch seconds of a `timestamp` (read as UTC, whatever the local zone); ValueError if it is not one."""
     return float(calendar.timegm(time.strptime(s, TIME_FORMAT)))
 
 
