@@ -205,7 +205,7 @@ def checkpoint_bytes(shape: Shape) -> int:
 
 
 def restore_bytes_per_node(shape: Shape, stage: int, gpus: int, gpus_per_node: int) -> int:
-    """Bytes one node downloads on restore: only the files its ranks read (raytrain.worker.checkpoint).
+    """Bytes one node downloads on restore: only the files its ranks read (raytrain.ckpt.restore.files_for_rank).
 
     ZeRO-3: each rank's weight and optimizer partition (1/N each). ZeRO-1/2: the one shared 16-bit weights file
     and the node's ranks' optimizer partitions. ZeRO-0: everything (no partitions).

@@ -17,11 +17,9 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from raytrain import storage
+from raytrain.rundir import ATTEMPTS, METRICS, NODES, SUMMARY, RunDir
 from raytrain.errors import UserError
 from raytrain.worker.interval import young_daly_s
-
-NODES = "nodes.json"
-
 
 def node_market(node: dict) -> str:
     """spot / on-demand for a `ray.nodes()` entry: Ray's market label where the cloud launcher sets it,
@@ -120,28 +118,16 @@ class NodeRecorder:
             pass
 
 
-def _jsonl(uri: str) -> list[dict]:
-    if not storage.exists(uri):
-        return []
-    out = []
-    for line in storage.read_text(uri).splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
-
-
 def _committed_time(run_uri: str, step: int) -> Optional[float]:
     """When the checkpoint at `step` was committed (its manifest), if it is still there."""
-    from raytrain import checkpoints
+    from raytrain.ckpt.layout import MANIFEST, dir_name, parse_timestamp
 
-    uri = storage.join(run_uri, f"checkpoint_{step:08d}", checkpoints.MANIFEST)
+    uri = storage.join(run_uri, dir_name(step), MANIFEST)
     if not storage.exists(uri):
         return None
     try:
-        committed = json.loads(storage.read_text(uri))["committed"]
-        return time.mktime(time.strptime(committed, "%Y-%m-%dT%H:%M:%SZ")) - time.timezone
+        # UTC, as written: a local-time conversion is an hour off wherever the zone has daylight saving.
+        return parse_timestamp(json.loads(storage.read_text(uri))["committed"])
     except (ValueError, KeyError):
         return None
 
@@ -186,12 +172,11 @@ def report(run_uri: str, prices: Prices, mtbf_s: Optional[float] = None,
     else `prior_mtbf_s` (the run's `checkpoint.mtbf_s`, what an auto interval starts from)."""
     if not storage.exists(run_uri):
         raise UserError(f"run directory not found: {run_uri}")
-    summary_uri = storage.join(run_uri, "summary.json")
-    summary = json.loads(storage.read_text(summary_uri)) if storage.exists(summary_uri) else {}
-    nodes_uri = storage.join(run_uri, NODES)
-    nodes = json.loads(storage.read_text(nodes_uri))["nodes"] if storage.exists(nodes_uri) else []
-    attempts = _jsonl(storage.join(run_uri, "attempts.jsonl"))
-    metrics = _jsonl(storage.join(run_uri, "metrics.jsonl"))
+    rd = RunDir(run_uri)
+    summary = rd.read_json(SUMMARY) or {}
+    nodes = (rd.read_json(NODES) or {}).get("nodes", [])
+    attempts = rd.read_jsonl(ATTEMPTS)
+    metrics = rd.read_jsonl(METRICS)
     if not (summary or nodes or attempts or metrics):
         raise UserError(f"{run_uri} has no summary.json, nodes.json, attempts.jsonl or metrics.jsonl: not a raytrain run")
 

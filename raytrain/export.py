@@ -12,7 +12,6 @@ import io
 import json
 import os
 import tempfile
-import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -21,11 +20,12 @@ import yaml
 
 from raytrain import storage
 from raytrain.rundir import METRICS, SUMMARY, RunDir
+from raytrain.ckpt import catalog
+from raytrain.ckpt.layout import CONFIG, ENGINE_TAG, timestamp
 from raytrain.config import Config
 from raytrain.errors import UserError
 
 EXPORT_META = "raytrain_export.json"
-ENGINE_TAG = "engine"  # as in raytrain.worker.checkpoint (not imported: that module pulls in Ray Train)
 
 
 @dataclass
@@ -40,12 +40,10 @@ class LoadedCheckpoint:
 
 def checkpoint_config(ckpt_uri: str) -> Config:
     """The resolved config saved inside a checkpoint."""
-    from raytrain import checkpoints
-
-    info = checkpoints.verify(ckpt_uri)
+    info = catalog.verify(ckpt_uri)
     if not info.complete:
         raise UserError(f"checkpoint {ckpt_uri} is not complete ({info.reason}); pick one from `raytrain ckpt list`")
-    return Config.model_validate(yaml.safe_load(storage.read_text(storage.join(ckpt_uri, "config.yaml"))))
+    return Config.model_validate(yaml.safe_load(storage.read_text(storage.join(ckpt_uri, CONFIG))))
 
 
 def consolidated_state_dict(ckpt_uri: str, zero_stage: int, tensor_parallel: int = 1) -> dict[str, torch.Tensor]:
@@ -183,7 +181,7 @@ def export(ckpt_uri: str, out_uri: str, tokenizer: Optional[str] = None, force: 
         meta = {"source_checkpoint": ck.uri, "step": ck.step, "params": n_params, "family": ck.cfg.model.family,
                 "zero_stage": ck.cfg.deepspeed.zero_stage, "seq_len": ck.cfg.model.seq_len,
                 "reported": reported_val(run_uri, ck.step), "val_data": ck.cfg.data.val,
-                "exported": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "config": ck.cfg.to_dict()}
+                "exported": timestamp(), "config": ck.cfg.to_dict()}
         with open(os.path.join(d, EXPORT_META), "w") as f:
             json.dump(meta, f, indent=1)
         # The release gate in miniature: what we wrote must load with stock transformers and be the same size.

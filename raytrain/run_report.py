@@ -10,7 +10,7 @@ from typing import Optional
 
 from raytrain import storage
 from raytrain.errors import UserError
-from raytrain.worker.runlog import METRICS, SUMMARY
+from raytrain.rundir import METRICS, REPORT_MD, REPORT_PNG, SUMMARY, RunDir
 
 
 def load_records(run_uri: str) -> list[dict]:
@@ -153,15 +153,14 @@ def report(run_uri: str, out: Optional[str] = None) -> tuple[str, str]:
     recs = load_records(run_uri)
     if not any("loss" in r for r in recs):
         raise UserError(f"{storage.join(run_uri, METRICS)} has no training steps yet; nothing to plot")
-    sum_uri = storage.join(run_uri, SUMMARY)
-    summary = json.loads(storage.read_text(sum_uri)) if storage.exists(sum_uri) else None
+    summary = RunDir(run_uri).read_json(SUMMARY)
     out = storage.absolute(out) if out else run_uri
-    png, md = storage.join(out, "report.png"), storage.join(out, "report.md")
+    png, md = storage.join(out, REPORT_PNG), storage.join(out, REPORT_MD)
     with tempfile.TemporaryDirectory(prefix="raytrain-report-") as d:
-        local = os.path.join(d, "report.png")
+        local = os.path.join(d, REPORT_PNG)
         name = (summary or {}).get("run") or os.path.basename(run_uri.rstrip("/"))
         restarted = tuple(restarts(run_uri))
         plot(recs, f"raytrain run {name}", local, restarted)
         storage.upload_file(local, png)
-    storage.write_text(md, markdown(recs, summary, run_uri, "report.png", restarted))
+    storage.write_text(md, markdown(recs, summary, run_uri, REPORT_PNG, restarted))
     return png, md

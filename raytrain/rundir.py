@@ -14,10 +14,13 @@ from raytrain import storage
 
 # name: (what it holds, who writes it). The table in docs/RUN_DIRECTORY.md is generated from this.
 FILES: dict[str, tuple[str, str]] = {}
+DIRS: set[str] = set()
 
 
-def _file(name: str, what: str, writer: str) -> str:
+def _file(name: str, what: str, writer: str, directory: bool = False) -> str:
     FILES[name] = (what, writer)
+    if directory:
+        DIRS.add(name)
     return name
 
 
@@ -38,12 +41,12 @@ COMM_FAILURE = _file("comm_failure.txt", "the newest communication-failure diagn
 NODES = _file("nodes.json", "node time by market and lost nodes, for `raytrain cost`", "driver")
 RESUME_MARKER = _file("resume_from.json", "`raytrain ckpt rollback`: the step the next resume starts from",
                       "`raytrain ckpt rollback`")
-TAGS = _file("tags/", "one <tag>.json per tagged checkpoint (its step and config)", "`raytrain ckpt tag`")
-TENSORBOARD = _file("tensorboard/", "TensorBoard event files", "rank 0")
+TAGS = _file("tags", "one <tag>.json per tagged checkpoint (its step and config)", "`raytrain ckpt tag`", directory=True)
+TENSORBOARD = _file("tensorboard", "TensorBoard event files", "rank 0", directory=True)
 REPORT_PNG = _file("report.png", "loss, perplexity and throughput plots", "`raytrain report`")
 REPORT_MD = _file("report.md", "the run's report in Markdown", "`raytrain report`")
-CHECKPOINTS = _file("checkpoint_NNNNNNNN/", "a checkpoint; complete once its manifest.json exists "
-                    "(docs/LIFECYCLE.md)", "every rank; rank 0 commits")
+CHECKPOINTS = _file("checkpoint_NNNNNNNN", "a checkpoint; complete once its manifest.json exists "
+                    "(docs/LIFECYCLE.md)", "every rank; rank 0 commits", directory=True)
 
 
 class RunDir:
@@ -53,7 +56,7 @@ class RunDir:
         self.run_uri = run_uri
 
     def uri(self, name: str, *more: str) -> str:
-        return storage.join(self.run_uri, name.rstrip("/"), *more)
+        return storage.join(self.run_uri, name, *more)
 
     def exists(self, name: str) -> bool:
         return storage.exists(self.uri(name))
@@ -103,7 +106,7 @@ def reference_markdown() -> str:
              "docs/RUN_DIRECTORY.md`); a test checks it.", "", "A run lives in `<checkpoint.storage>/<run.name>` "
              "(local path or `s3://`). JSONL files are read tolerantly: a line torn by a killed writer is skipped.",
              "", "| file | what | written by |", "| --- | --- | --- |"]
-    lines += [f"| `{name}` | {what} | {writer} |" for name, (what, writer) in FILES.items()]
+    lines += [f"| `{name}{'/' if name in DIRS else ''}` | {what} | {writer} |" for name, (what, writer) in FILES.items()]
     return "\n".join(lines) + "\n"
 
 

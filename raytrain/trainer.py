@@ -63,14 +63,12 @@ def check_resume_compatible(cfg: Config) -> Config:
     DeepSpeed's universal checkpoint format); the global batch is held by recomputing accumulation,
     so the data position and the optimisation trajectory mean the same thing as before.
     """
-    import json
+    from raytrain.ckpt import catalog
 
-    from raytrain import checkpoints
-
-    info = checkpoints.latest_complete(cfg.run_uri)
+    info = catalog.latest_complete(cfg.run_uri)
     if info is None:
         return cfg
-    manifest = json.loads(storage.read_text(storage.join(info.uri, checkpoints.MANIFEST)))
+    manifest = catalog.read_manifest(info.uri)
     wrote, old_gb = manifest.get("world_size"), manifest.get("global_batch")
     print(f"[raytrain] resuming run {cfg.run.name} from {info.uri} (step {info.step}, {wrote} workers)", flush=True)
     if not old_gb or old_gb == cfg.global_batch:

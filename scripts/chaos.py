@@ -40,9 +40,9 @@ def _cfg(args, name: str, extra: list[str]):
 
 
 def _records(run_uri: str) -> dict[int, dict]:
-    from raytrain import storage
+    from raytrain.rundir import METRICS, RunDir
 
-    recs = [json.loads(x) for x in storage.read_text(storage.join(run_uri, "metrics.jsonl")).splitlines()]
+    recs = RunDir(run_uri).read_jsonl(METRICS)
     return {r["step"]: r for r in recs if "loss" in r}
 
 
@@ -266,10 +266,10 @@ def _recovery(run_uri: str, events: list[dict], marker: str) -> list[dict]:
     Read from the run's history: every attempt's metrics lines carry wall-clock times; the resumed
     attempt's first line after the fault tells where it restarted.
     """
-    from raytrain import storage
+    from raytrain.rundir import ATTEMPTS, METRICS, RunDir
 
-    hist = [json.loads(x) for x in storage.read_text(storage.join(run_uri, "attempts.jsonl")).splitlines()]
-    metrics = [json.loads(x) for x in storage.read_text(storage.join(run_uri, "metrics.jsonl")).splitlines()]
+    hist = RunDir(run_uri).read_jsonl(ATTEMPTS)
+    metrics = RunDir(run_uri).read_jsonl(METRICS)
     out = []
     for i, e in enumerate(events):
         fired = f"{marker}.{i}"

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from raytrain import checkpoints, storage
+from raytrain import storage
+from raytrain.ckpt import catalog
 from raytrain.data.manifest import load_split
 from raytrain.data.plan import SamplePlan
 from raytrain.data.reader import read_rows
@@ -53,7 +54,7 @@ def test_checkpoint_part_against_boto3(s3_server, tmp_path):
     assert stall["value"] < stall["baseline_value"]
     # Nothing left behind in the bucket: each measurement cleans up after itself.
     assert storage.list_dir("s3://raytrain-test/bench-test") == []
-    assert checkpoints.latest_complete("s3://raytrain-test/bench-test/stall-async") is None
+    assert catalog.latest_complete("s3://raytrain-test/bench-test/stall-async") is None
 
 
 @pytest.mark.slow

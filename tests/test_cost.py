@@ -2,51 +2,53 @@
 
 from __future__ import annotations
 
+import calendar
 import json
 import math
+import os
 import time
 
 import pytest
 
+from raytrain.ckpt.layout import dir_name, timestamp
 from raytrain.cli import main
 from raytrain.config import load_config
 from raytrain.cost import young_daly_s
 
-T0 = 1_800_000_000.0  # a fixed epoch second; the run's times are offsets from it
-
-
-def _iso(t: float) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+T0 = 1_800_000_000.0  # a fixed epoch second (January 2027); the run's times are offsets from it
 
 
 @pytest.fixture
 def run_dir(tmp_path):
-    """A 2-hour run: head 2 h, two spot workers (one reclaimed at 1 h and replaced 60 s later)."""
-    run = tmp_path / "r"
+    return _write_run(tmp_path / "r", T0)
+
+
+def _write_run(run, t0: float):
+    """A 2-hour run from t0: head 2 h, two spot workers (one reclaimed at 1 h and replaced 60 s later)."""
     run.mkdir()
     cfg = load_config("tiny", ["run.name=r", "cost.spot_per_hour=0.5", "cost.on_demand_per_hour=2.0",
                                "cost.head_per_hour=0.25"])
     (run / "config.yaml").write_text(cfg.to_yaml())
     h = 3600.0
     nodes = [
-        {"node_id": "h", "type": "head", "market": "on-demand", "first_seen": T0, "last_seen": T0 + 2 * h, "lost": False},
-        {"node_id": "a", "type": "spot", "market": "spot", "first_seen": T0, "last_seen": T0 + 2 * h, "lost": False},
-        {"node_id": "b", "type": "spot", "market": "spot", "first_seen": T0, "last_seen": T0 + h, "lost": True,
-         "lost_at": T0 + h + 5},
-        {"node_id": "c", "type": "spot", "market": "spot", "first_seen": T0 + h + 60, "last_seen": T0 + 2 * h,
+        {"node_id": "h", "type": "head", "market": "on-demand", "first_seen": t0, "last_seen": t0 + 2 * h, "lost": False},
+        {"node_id": "a", "type": "spot", "market": "spot", "first_seen": t0, "last_seen": t0 + 2 * h, "lost": False},
+        {"node_id": "b", "type": "spot", "market": "spot", "first_seen": t0, "last_seen": t0 + h, "lost": True,
+         "lost_at": t0 + h + 5},
+        {"node_id": "c", "type": "spot", "market": "spot", "first_seen": t0 + h + 60, "last_seen": t0 + 2 * h,
          "lost": False},
     ]
     (run / "nodes.json").write_text(json.dumps({"nodes": nodes}))
-    # Attempt 0 trains from T0+10 at 1 step/s; the node dies at T0+h+5; attempt 1 resumes from the
-    # checkpoint at step 3000 (committed at T0+10+3000) and trains again from T0+h+100.
+    # Attempt 0 trains from t0+10 at 1 step/s; the node dies at t0+h+5; attempt 1 resumes from the
+    # checkpoint at step 3000 (committed at t0+10+3000) and trains again from t0+h+100.
     (run / "attempts.jsonl").write_text(
-        json.dumps({"attempt": 0, "resumed_step": 0, "time": T0, "first_step_time": T0 + 10}) + "\n"
-        + json.dumps({"attempt": 1, "resumed_step": 3000, "time": T0 + h + 70, "first_step_time": T0 + h + 100}) + "\n")
+        json.dumps({"attempt": 0, "resumed_step": 0, "time": t0, "first_step_time": t0 + 10}) + "\n"
+        + json.dumps({"attempt": 1, "resumed_step": 3000, "time": t0 + h + 70, "first_step_time": t0 + h + 100}) + "\n")
     ck = run / "checkpoint_00003000"
     ck.mkdir()
-    (ck / "manifest.json").write_text(json.dumps({"step": 3000, "files": {}, "committed": _iso(T0 + 10 + 3000)}))
+    (ck / "manifest.json").write_text(json.dumps({"step": 3000, "files": {}, "committed": timestamp(t0 + 10 + 3000)}))
     metrics = [{"step": s, "loss": 1.0, "tokens_per_s": 1024.0, "samples_per_s": 8.0} for s in range(100, 6001, 100)]
-    metrics += [{"step": s, "checkpoint": f"checkpoint_{s:08d}", "ckpt_stall_s": 2.0} for s in range(1000, 6001, 1000)]
+    metrics += [{"step": s, "checkpoint": dir_name(s), "ckpt_stall_s": 2.0} for s in range(1000, 6001, 1000)]
     (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
     (run / "summary.json").write_text(json.dumps({"run": "r", "steps": 6000, "tokens_seen": 6000 * 1024,
                                                   "wall_s": 7200, "restarts": 1}))
@@ -72,6 +74,30 @@ def test_cost_report_numbers(run_dir, capsys):
     assert r["mtbf_s"] == pytest.approx(7200) and r["mtbf_source"] == "observed"
     assert r["young_daly_s"] == pytest.approx(math.sqrt(2 * 2.0 * 7200)) == pytest.approx(169.7, abs=0.1)
     assert r["young_daly_steps"] == 170
+
+
+@pytest.fixture
+def new_york():
+    """The local zone is America/New_York (summer time from March to November) for the test."""
+    old = os.environ.get("TZ")
+    os.environ["TZ"] = "America/New_York"
+    time.tzset()
+    yield
+    if old is None:
+        os.environ.pop("TZ")
+    else:
+        os.environ["TZ"] = old
+    time.tzset()
+
+
+def test_commit_times_are_utc_where_the_local_zone_has_summer_time(tmp_path, new_york, capsys):
+    # The same run in July: commit times are UTC whatever the local zone; read as local time they would be an
+    # hour off in New York's summer, and the work lost since the checkpoint an hour too long.
+    july = float(calendar.timegm((2027, 7, 15, 12, 0, 0)))
+    assert time.localtime(july).tm_isdst == 1
+    assert main(["cost", str(_write_run(tmp_path / "july", july)), "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["restarts"][0]["lost_s"] == 595.0 and r["lost_steps"] == 595
 
 
 def test_cost_text_and_overrides(run_dir, capsys):

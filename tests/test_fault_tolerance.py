@@ -11,10 +11,12 @@ import signal
 
 import pytest
 
-from raytrain import checkpoints, storage
+from raytrain import storage
+from raytrain.ckpt import catalog
 from raytrain.config import Config
 from raytrain.errors import UserError
-from raytrain.worker.checkpoint import CheckpointWriter, TrainState
+from raytrain.ckpt.state import TrainState
+from raytrain.ckpt.writer import CheckpointWriter
 from tests.conftest import start_moto
 
 
@@ -51,7 +53,7 @@ def frozen_s3(monkeypatch):
 def _writer(mode: str, on_failure: str = "warn", run_uri: str = "s3://outage/run") -> CheckpointWriter:
     c = Config().checkpoint.model_copy(update={"upload": mode, "on_upload_failure": on_failure, "upload_retries": 0,
                                                "commit_timeout_s": 5.0, "keep_last": 5})
-    return CheckpointWriter(c, run_uri, rank=0, world=1)
+    return CheckpointWriter(c, run_uri=run_uri, rank=0, world=1)
 
 
 @pytest.mark.parametrize("mode", ["async", "sync"])
@@ -59,7 +61,7 @@ def test_store_stopped_during_upload_leaves_no_registered_checkpoint(frozen_s3, 
     w = _writer(mode)
     w.save(_Engine(1000), TrainState(step=5, world_size=1), "x: 1\n")
     w.wait()
-    assert checkpoints.latest_complete("s3://outage/run").step == 5
+    assert catalog.latest_complete("s3://outage/run").step == 5
 
     if mode == "async":
         w.save(_Engine(64 << 20), TrainState(step=10, world_size=1), "x: 1\n")
@@ -71,13 +73,13 @@ def test_store_stopped_during_upload_leaves_no_registered_checkpoint(frozen_s3, 
     assert w.failed == ["checkpoint_00000010"] and w.committed == "checkpoint_00000005"
     os.kill(frozen_s3.pid, signal.SIGCONT)
 
-    assert checkpoints.latest_complete("s3://outage/run").step == 5
-    info = checkpoints.verify("s3://outage/run/checkpoint_00000010")
+    assert catalog.latest_complete("s3://outage/run").step == 5
+    info = catalog.verify("s3://outage/run/checkpoint_00000010")
     assert not info.complete and "no manifest" in info.reason
     # The store is back: the next checkpoint commits normally.
     w.save(_Engine(1000), TrainState(step=15, world_size=1), "x: 1\n")
     w.wait()
-    assert checkpoints.latest_complete("s3://outage/run").step == 15
+    assert catalog.latest_complete("s3://outage/run").step == 15
 
 
 def test_upload_failure_stops_the_run_when_configured(frozen_s3):
@@ -86,7 +88,7 @@ def test_upload_failure_stops_the_run_when_configured(frozen_s3):
     with pytest.raises(UserError, match="could not upload checkpoint checkpoint_00000003.*on_upload_failure=stop"):
         w.save(_Engine(1000), TrainState(step=3, world_size=1), "x: 1\n")
     os.kill(frozen_s3.pid, signal.SIGCONT)
-    assert checkpoints.latest_complete("s3://outage/run") is None
+    assert catalog.latest_complete("s3://outage/run") is None
 
 
 def test_async_upload_stalls_training_only_for_the_local_write(frozen_s3):
@@ -108,10 +110,10 @@ def test_stale_markers_of_an_earlier_attempt_never_commit(tmp_path):
     stale = storage.join(run, "checkpoint_00000004", "_uploaded", "rank_00001.json")
     storage.write_text(stale, '{"token": "old", "files": {}}')
     c = Config().checkpoint.model_copy(update={"upload": "sync", "commit_timeout_s": 1.0})
-    w = CheckpointWriter(c, run, rank=0, world=2)  # rank 1 of this attempt never uploads
+    w = CheckpointWriter(c, run_uri=run, rank=0, world=2)  # rank 1 of this attempt never uploads
     w.save(_Engine(10), TrainState(step=4, world_size=2), "x: 1\n")
     assert w.committed is None and w.failed == ["checkpoint_00000004"]
-    assert checkpoints.latest_complete(run) is None
+    assert catalog.latest_complete(run) is None
 
 
 def test_each_rank_reads_its_partitions_and_killed_staging_is_removed(tmp_path):
@@ -120,7 +122,8 @@ def test_each_rank_reads_its_partitions_and_killed_staging_is_removed(tmp_path):
     import subprocess
     import sys
 
-    from raytrain.worker.checkpoint import files_for_rank, remove_stale
+    from raytrain.ckpt.node_cache import remove_stale
+    from raytrain.ckpt.restore import files_for_rank
 
     files = {f: {} for f in ["engine/mp_rank_00_model_states.pt", "engine/zero_pp_rank_0_mp_rank_00_optim_states.pt",
                              "engine/zero_pp_rank_1_mp_rank_00_optim_states.pt",

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from raytrain import checkpoints, storage
+from raytrain import storage
+from raytrain.ckpt import catalog
 from raytrain.cli import main
 from raytrain.trainer import train
 from tests.conftest import tiny_cfg
@@ -168,8 +169,8 @@ def test_tag_rollback_resume_continues_from_the_tagged_step(runs, tiny_data, tmp
     for step in range(6, 11):  # retrained from step 5 on the same data: the original run's losses
         assert got[step] == pytest.approx(want[step], abs=1e-5), step
     assert (tmp_path / "z2" / "checkpoint_00000010" / "manifest.json").read_text() != old10  # rewritten
-    assert checkpoints.read_rollback(run) is None  # moved past every old checkpoint: marker consumed
-    assert checkpoints.latest_complete(run).step == 10
+    assert catalog.read_resume_marker(run) is None  # moved past every old checkpoint: marker consumed
+    assert catalog.latest_complete(run).step == 10
     assert sorted(p.name for p in (tmp_path / "z2").glob("checkpoint_*")) == ["checkpoint_00000005",
                                                                            "checkpoint_00000010"]
 

@@ -176,7 +176,7 @@ def test_zero2_and_zero3_restore_on_two_nodes_each_node_downloads_its_part(fake_
 
     bf16, as GPU runs train, and a model (hidden 128) whose states outweigh the files' fixed overhead: every node
     reads ZeRO-2's 16-bit weights, so its share at N = 2 is at least (2 + 6) / 14 = 0.57 in bf16 (0.625 in fp32)."""
-    from raytrain import checkpoints
+    from raytrain.ckpt import catalog
 
     port, dash, env = fake_cluster
     store = "s3://raytrain-test/cluster-runs"
@@ -193,7 +193,7 @@ def test_zero2_and_zero3_restore_on_two_nodes_each_node_downloads_its_part(fake_
         t0 = time.time()
         _submit(dash, env, overrides, tmp_path / f"{run}.log")
         want = _losses(run_uri)
-        checkpoints.rollback(run_uri, step=4)
+        catalog.set_resume_marker(run_uri, step=4)
         _submit(dash, env, overrides, tmp_path / f"{run}.log")
         got = _losses(run_uri)
         assert sorted(got) == list(range(1, 9)), got

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from raytrain import checkpoints
+from raytrain.ckpt import catalog
 from raytrain.cli import main
 from raytrain.trainer import train
 from tests.conftest import _free_port, tiny_cfg
@@ -53,7 +53,7 @@ def run(ray_cluster, tiny_data, tmp_path_factory):
     root = tmp_path_factory.mktemp("serve")
     cfg = tiny_cfg(tiny_data, root, "served", "scaling.num_workers=1")  # one rank: the cheapest real checkpoints
     summary = train(cfg, log=lambda *_: None)
-    checkpoints.tag(cfg.run_uri, STABLE, step=5)
+    catalog.tag(cfg.run_uri, STABLE, step=5)
     return cfg.run_uri, summary
 
 

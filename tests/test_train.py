@@ -11,6 +11,7 @@ import pyarrow.fs as pafs
 import pytest
 
 from raytrain import cost, storage
+from raytrain.ckpt.layout import dir_name
 from raytrain.data.prepare import PrepareConfig, prepare
 from raytrain.trainer import train
 from raytrain.worker.runlog import HEARTBEAT_S
@@ -150,7 +151,7 @@ def test_resize_2_to_1_to_2_keeps_data_position_and_global_batch(ray_cluster, ti
     for step in range(5, 13):
         assert got[step] == pytest.approx(want[step], abs=1e-5), step
     for step in (8, 12):
-        state = json.loads((tmp_path / "resize" / f"checkpoint_{step:08d}" / "raytrain_state.json").read_text())
+        state = json.loads((tmp_path / "resize" / dir_name(step) / "raytrain_state.json").read_text())
         assert state["samples_seen"] == step * 8 and state["global_batch"] == 8
     assert _crcs(two.run_uri) == _crcs(baseline[0]["run_uri"])
     # One universal conversion per source checkpoint (4: written by 2 workers, resumed twice on 1; 8: written by

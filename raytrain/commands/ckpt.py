@@ -29,7 +29,7 @@ def add_parser(subparsers):
 
 def run(args) -> int:
     from raytrain import storage
-    from raytrain.checkpoints import describe
+    from raytrain.ckpt.catalog import describe
 
     run_uri = storage.absolute(args.run_uri)
     if not storage.exists(run_uri):
@@ -72,43 +72,45 @@ def parse_age(text: str) -> float:
 
 
 def _tag(args, run_uri: str) -> int:
-    from raytrain import checkpoints
+    from raytrain.ckpt import catalog
+    from raytrain.ckpt.layout import TAGS_DIR
 
     if not args.target:
         raise UserError("ckpt tag needs a tag name: raytrain ckpt tag RUN_URI v1.0 [--step N]")
-    rec = checkpoints.tag(run_uri, args.target, args.step, force=args.force)
+    rec = catalog.tag(run_uri, args.target, args.step, force=args.force)
     print(f"tagged {rec['checkpoint']} (step {rec['step']}) as {rec['tag']} -> "
-          f"{run_uri}/{checkpoints.TAGS_DIR}/{rec['tag']}.json")
+          f"{run_uri}/{TAGS_DIR}/{rec['tag']}.json")
     return 0
 
 
 def _rollback(args, run_uri: str) -> int:
-    from raytrain import checkpoints
+    from raytrain.ckpt import catalog
 
     if args.clear:
-        checkpoints.clear_rollback(run_uri)
+        catalog.clear_resume_marker(run_uri)
         print(f"rollback cleared: {run_uri} resumes from its newest complete checkpoint")
         return 0
-    m = checkpoints.rollback(run_uri, args.target, args.step)
+    m = catalog.set_resume_marker(run_uri, args.target, args.step)
     print(f"the next `raytrain train` of {run_uri} resumes from {m['checkpoint']} (step {m['step']}"
           f"{', tag ' + m['tag'] if m['tag'] else ''}); later checkpoints are kept but not used")
     return 0
 
 
 def _prune(args, run_uri: str) -> int:
-    from raytrain import checkpoints, storage
+    from raytrain import storage
+    from raytrain.ckpt import catalog
 
     if args.keep_last is None and args.older_than is None:
         raise UserError("ckpt prune needs a policy: --older-than 7d and/or --keep-last N")
     age = parse_age(args.older_than) if args.older_than else None
-    doomed, kept = checkpoints.retention_plan(run_uri, keep_last=args.keep_last, older_than_s=age)
+    doomed, kept = catalog.retention_plan(run_uri, keep_last=args.keep_last, older_than_s=age)
     for uri, why in sorted(kept.items(), key=lambda kv: kv[0]):
         if storage.exists(uri):
             print(f"keep    {uri.rsplit('/', 1)[-1]}  ({why})")
     for uri in doomed:
         print(f"{'delete' if args.yes else 'would delete'}  {uri.rsplit('/', 1)[-1]}")
     if args.yes:
-        checkpoints.prune(run_uri, keep_last=args.keep_last, older_than_s=age)
+        catalog.prune(run_uri, keep_last=args.keep_last, older_than_s=age)
         print(f"deleted {len(doomed)} checkpoint(s)")
     else:
         print(f"dry run: {len(doomed)} checkpoint(s) would be deleted; pass --yes to delete")

@@ -18,12 +18,13 @@ def add_parser(subparsers):
 
 def run(args) -> int:
     from raytrain import storage
+    from raytrain.rundir import CONFIG, RunDir
     from raytrain.config import load_tree
     from raytrain.cost import Prices, format_report, report
 
     run_uri = storage.absolute(args.run_uri)
     # Prices: the run's own saved config.yaml, then any cost.* overrides given here.
-    saved = storage.join(run_uri, "config.yaml")
+    saved = RunDir(run_uri).uri(CONFIG)
     cfg = load_tree(saved if storage.exists(saved) else None, args.overrides)
     c = cfg.cost
     r = report(run_uri, Prices(c.spot_per_hour, c.on_demand_per_hour, c.head_per_hour),

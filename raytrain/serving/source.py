@@ -55,7 +55,8 @@ def _export_checkpoint(ckpt_uri: str, run_uri: str, log: Callable[[str], None]) 
 
 def resolve(model: str, version: Optional[str] = None, log: Callable[[str], None] = print) -> ServedModel:
     """What to serve for MODEL (see the module docstring); `version` overrides the derived name."""
-    from raytrain import checkpoints
+    from raytrain.ckpt import catalog
+    from raytrain.ckpt.layout import MANIFEST
 
     base, tag = model, None
     if "@" in model.rstrip("/").rsplit("/", 1)[-1]:
@@ -64,25 +65,25 @@ def resolve(model: str, version: Optional[str] = None, log: Callable[[str], None
     if tag is None and storage.exists(storage.join(uri, "config.json")):
         check_model_dir(uri)
         return ServedModel(uri, version or uri.rstrip("/").rsplit("/", 1)[-1])
-    if tag is None and storage.exists(storage.join(uri, checkpoints.MANIFEST)):  # a checkpoint directory itself
-        info = checkpoints.verify(uri)
+    if tag is None and storage.exists(storage.join(uri, MANIFEST)):  # a checkpoint directory itself
+        info = catalog.verify(uri)
         if not info.complete:
             raise UserError(f"checkpoint {uri} is not complete ({info.reason}); pick one from `raytrain ckpt list`")
         return ServedModel(_export_checkpoint(uri, uri.rstrip("/").rsplit("/", 1)[0], log), version or f"step-{info.step}")
-    ckpts = checkpoints.list_checkpoints(uri) if storage.exists(uri) else []
+    ckpts = catalog.list_checkpoints(uri) if storage.exists(uri) else []
     if not ckpts:
         raise UserError(f"{model}: neither a model directory (no config.json) nor a run directory (no checkpoint_*); "
                         f"pass an exported model, a run or RUN@TAG")
     if tag is not None:
-        known = checkpoints.tags(uri)
+        known = catalog.tags(uri)
         if tag not in known:
             raise UserError(f"no tag {tag!r} in {uri} (tags: {', '.join(sorted(known)) or 'none'}); "
                             f"tag one with `raytrain ckpt tag {uri} {tag}`")
-        info = checkpoints.verify(storage.join(uri, known[tag]["checkpoint"]))
+        info = catalog.verify(storage.join(uri, known[tag]["checkpoint"]))
         if not info.complete:
             raise UserError(f"tag {tag!r} names {info.uri}, which is not complete ({info.reason})")
         return ServedModel(_export_checkpoint(info.uri, uri, log), version or tag)
-    info = checkpoints.latest_complete(uri, log=log)
+    info = catalog.latest_complete(uri, log=log)
     if info is None:
         raise UserError(f"{uri} has no complete checkpoint to serve; see `raytrain ckpt list {uri}`")
     return ServedModel(_export_checkpoint(info.uri, uri, log), version or f"step-{info.step}")

@@ -12,7 +12,6 @@ workers' metric reports reach Tune through a Train callback (TuneReportCallback)
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from typing import Any, Optional
@@ -24,6 +23,7 @@ from ray.tune.trainable.function_trainable import wrap_function
 
 from raytrain import storage
 from raytrain.config import load_config
+from raytrain.rundir import METRICS, RunDir
 from raytrain.ray_internals import controller_callback_base
 from raytrain.sweep.spec import SweepSpec, trial_overrides
 
@@ -133,8 +133,7 @@ def run_trial(config: dict, spec_dict: dict, sweep_dir: str) -> None:
             raise
         tune.report({**info, metric: float("nan"), "infeasible": True, "reason": f"out of memory: {reason}"})
         return
-    history = [json.loads(line) for line in
-               storage.read_text(storage.join(cfg.run_uri, "metrics.jsonl")).splitlines() if line.strip()]
+    history = RunDir(cfg.run_uri).read_jsonl(METRICS)
     result = {**info, "infeasible": False, "reason": "", "step": summary["steps"],
               "tokens_per_s": summary["tokens_per_s"], "samples_per_s": _steady_mean(history, "samples_per_s"),
               "tflops_per_worker": _steady_mean(history, "tflops_per_worker"), "loss": summary["final_loss"],

@@ -20,17 +20,21 @@ from raytrain.config import Config
 from raytrain.data.manifest import Split
 from raytrain.ds_config import build_ds_config, lr_lambda, resolve_dtype
 from raytrain.errors import UserError
+from raytrain.ckpt.layout import dir_name
+from raytrain.ckpt.restore import find_resume_point, peek_state, restore
+from raytrain.ckpt.rollback import roll_back
+from raytrain.ckpt.state import TrainState
+from raytrain.ckpt.writer import CheckpointWriter
 from raytrain.faults import Faults
 from raytrain.model import build_model, compile_engine, flops_per_token, moe_aux_loss, param_counts, param_groups
 from raytrain.quiet import no_stdout, quiet_worker
-from raytrain.worker import checkpoint as ckpt
 from raytrain.worker.comm import watch_for_run
 from raytrain.worker.data_plane import DataPlane
 from raytrain.worker.evaluate import Evaluator, lm_loss
 from raytrain.worker.interval import cadence_for, run_history
 from raytrain.worker.preemption import PreemptionNotice
 from raytrain.worker.runlog import Attempt, RunLog, progress_every, say
-from raytrain.worker.telemetry import Telemetry, Window, oom_guard, rollback
+from raytrain.worker.telemetry import Telemetry, Window, oom_guard
 from raytrain.worker.verdict import StepAgreement, StepVerdict
 
 
@@ -58,9 +62,9 @@ class WorkerRun:
         # restart inside one job or the same run submitted again. (Ray's own registry can miss the newest
         # one when a worker dies right after uploading; our manifests cannot.) A checkpoint written by
         # another number of workers is loaded through DeepSpeed's universal format.
-        resumed = ckpt.find_resume_point(cfg.run_uri, rank, deep=cfg.checkpoint.verify_on_resume == "checksum",
-                                         local_dir=cfg.checkpoint.local_dir,
-                                         tensor_parallel=cfg.deepspeed.tensor_parallel_size > 1)
+        resumed = find_resume_point(cfg.run_uri, rank, deep=cfg.checkpoint.verify_on_resume == "checksum",
+                                    local_dir=cfg.checkpoint.local_dir,
+                                    tensor_parallel=cfg.deepspeed.tensor_parallel_size > 1)
         self.boot = {"resume_point": time.time()}  # start-up phases (when each ended): where a recovery's seconds go
         self.engine, self.n_params, n_active = self._build_engine(resumed, train_split, device)
         dp_rank, self.dp_size = _data_parallel_rank(cfg, rank, world)
@@ -68,7 +72,7 @@ class WorkerRun:
         started, earlier_attempts = run_history(cfg.run_uri)
         self.state = self._restore(resumed, earlier_attempts)
         self.boot["restore"] = time.time()
-        self.resumed_from = ckpt.dir_name(self.state.step) if resumed else None
+        self.resumed_from = dir_name(self.state.step) if resumed else None
         # This rank's rows of each global batch, by the sample plan, read ahead in the background.
         self.data = DataPlane(cfg.data, split=train_split, seed=cfg.run.seed, global_batch=cfg.global_batch,
                               rank=dp_rank, size=self.dp_size, position=self.state.samples_seen,
@@ -78,8 +82,8 @@ class WorkerRun:
         self.log = RunLog(cfg.run_uri, cfg.run.max_steps, self.state.step, enabled=rank == 0,
                           progress_every=progress_every(cfg.run.progress_every, cfg.run.log_every, cfg.run.max_steps))
         # The checkpoint this attempt resumed from is never pruned while it runs.
-        self.writer = ckpt.CheckpointWriter(cfg.checkpoint, cfg.run_uri, rank, world,
-                                            protect=(f"{cfg.run_uri}/{self.resumed_from}",) if resumed else ())
+        self.writer = CheckpointWriter(cfg.checkpoint, run_uri=cfg.run_uri, rank=rank, world=world,
+                                       protect=(f"{cfg.run_uri}/{self.resumed_from}",) if resumed else ())
         self.cadence = cadence_for(cfg.checkpoint, run_started=started, restarts=earlier_attempts)
         self.cadence.seed([r["ckpt_stall_s"] for r in self.log.history if isinstance(r.get("ckpt_stall_s"), (int, float))])
         self.notice = PreemptionNotice(rank, enabled=cfg.checkpoint.on_preemption)
@@ -174,7 +178,8 @@ class WorkerRun:
     def roll_back(self, bad) -> None:
         """A bad loss: back to the newest checkpoint, past the bad batch (collective)."""
         self.writer.wait()  # the newest checkpoint must be committed before it can be rolled back to
-        self.state = rollback(bad, self.tel, self.engine, self.state, self.data, self.cfg.run_uri, self.cfg.global_batch)
+        self.state = roll_back(bad, tel=self.tel, engine=self.engine, state=self.state, data=self.data,
+                               run_uri=self.cfg.run_uri, global_batch=self.cfg.global_batch)
         self.data.run_until(self.cfg.run.max_steps - self.state.step)  # the steps since the checkpoint are trained again
         self.log.rewind(self.state.step)
         self.log.write({"step": self.state.step, "event": "rollback", **self.tel.rolled_back[-1]}, sync=True)
@@ -201,7 +206,7 @@ class WorkerRun:
         import deepspeed
 
         cfg, cuda = self.cfg, self.cuda
-        resharding = resumed is not None and ckpt.peek_state(resumed).world_size != self.world
+        resharding = resumed is not None and peek_state(resumed).world_size != self.world
         vocab = cfg.model.vocab_size or train_split.vocab_size
         # Native bf16 only: torch also says yes for pre-Ampere GPUs that emulate it (slowly); those get fp16.
         self.dtype = resolve_dtype(cfg, cuda, cuda and torch.cuda.is_bf16_supported(including_emulation=False))
@@ -220,11 +225,11 @@ class WorkerRun:
         compile_engine(engine, cfg.model)
         return engine, n_params, n_active
 
-    def _restore(self, resumed, earlier_attempts: int) -> ckpt.TrainState:
+    def _restore(self, resumed, earlier_attempts: int) -> TrainState:
         """Engine, RNG and counters from the resume point (collective), or a fresh state."""
-        state = ckpt.TrainState(world_size=self.world, global_batch=self.cfg.global_batch)
+        state = TrainState(world_size=self.world, global_batch=self.cfg.global_batch)
         if resumed is not None:
-            state = ckpt.restore(self.engine, resumed, self.rank, self.world)
+            state = restore(self.engine, resumed, rank=self.rank, world=self.world)
             state.restarts += 1
             state.global_batch = self.cfg.global_batch
         # A restart from scratch (an attempt that died before its first checkpoint committed) is a restart

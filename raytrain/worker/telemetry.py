@@ -1,5 +1,5 @@
-"""What the training loop calls at its log steps: phase timers, MFU, memory, the exporters and the health rules,
-and the rollback action. The loop stays "take a batch, step the engine"; everything observed is here.
+"""What the training loop calls at its log steps: phase timers, MFU, memory, the exporters and the health rules.
+The loop stays "take a batch, step the engine"; everything observed is here (the rollback is raytrain/ckpt/rollback.py).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from raytrain.config import Config
 from raytrain.errors import UserError
 from raytrain.rundir import HEALTH, TENSORBOARD, RunDir
-from raytrain.worker.health import HealthMonitor, Thresholds, Violation
+from raytrain.worker.health import HealthMonitor, Thresholds
 from raytrain.worker.metrics import PHASES, RayMetrics
 
 # Dense bf16/fp16 tensor-core peak TFLOP/s per device (vendor datasheets, SXM parts where there are two).
@@ -261,53 +261,6 @@ def oom_guard(cfg: Config, world: int, cuda: bool):
 
         mem = memory(cuda) if cuda else None
         raise UserError(oom_message(cfg, world, mem)) from None
-
-
-def rollback(v: Violation, tel: Telemetry, engine, state, stream, run_uri: str, global_batch: int):
-    """The action for a NaN/inf or spiking loss (collective: every rank calls it at the same step).
-
-    Restores the engine (weights, optimizer, schedule) and RNG from the newest complete checkpoint and
-    keeps the data position *after* the offending batch (plus health.skip_batches - 1 more): the steps
-    since the checkpoint are trained again, on the data that follows the bad window, so the window from
-    the checkpoint's position to past the bad batch is never trained on. Returns the new
-    TrainState. Stops the run with a report when rollbacks exceed health.max_rollbacks or there is no
-    checkpoint to go back to.
-    """
-    from raytrain.worker import checkpoint as ckpt
-
-    h = tel.cfg.health
-    # Called right after the bad step, before its batch is counted: the stream is already past it.
-    bad_start, bad_step = state.samples_seen, state.step
-    if v.action == "stop" or tel.rollbacks >= h.max_rollbacks:
-        why = ("health.on_bad_loss=stop" if v.action == "stop" else
-               f"{tel.rollbacks} rollbacks already (health.max_rollbacks={h.max_rollbacks})")
-        stop(tel, run_uri, f"{v.message}; {why}")
-    resumed = ckpt.find_resume_point(run_uri, tel.rank, local_dir=tel.cfg.checkpoint.local_dir,
-                                     tensor_parallel=tel.cfg.deepspeed.tensor_parallel_size > 1)
-    if resumed is None:
-        stop(tel, run_uri, f"{v.message} before the first complete checkpoint, nothing to roll back to; "
-                           f"lower optim.lr or checkpoint earlier (checkpoint.every_n_steps)")
-    restored = ckpt.restore(engine, resumed, tel.rank, tel.world)
-    skip_extra = (h.skip_batches - 1) * global_batch
-    if skip_extra:
-        stream.skip(skip_extra)
-    # Counters other than the position keep counting (restarts, preemptions, ...): only the training
-    # progress goes back to the checkpoint.
-    new = dataclasses.replace(state, step=restored.step, tokens_seen=restored.tokens_seen,
-                              samples_seen=stream.position)
-    tel.rollbacks += 1
-    # Skipped: everything from the checkpoint's position on, up to and past the bad batch (as PaLM did
-    # for loss spikes): the updates made from that window are gone with the rollback.
-    tel.rolled_back.append({"bad_step": bad_step, "resumed_from": restored.step, "rule": v.rule,
-                            "bad_batch": [bad_start, bad_start + global_batch],
-                            "skipped": [restored.samples_seen, new.samples_seen]})
-    tel.health.restarted()
-    if tel.rank == 0:
-        from raytrain.worker.runlog import say
-
-        say(f"rollback {tel.rollbacks}/{h.max_rollbacks}: {v.message}; back to step {restored.step}, skipping "
-            f"samples {restored.samples_seen}..{new.samples_seen - 1} of the data stream (bad batch from {bad_start})")
-    return new
 
 
 def stop(tel: Telemetry, run_uri: str, reason: str) -> None:

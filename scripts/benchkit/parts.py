@@ -8,7 +8,6 @@ issue asks of it. Everything runs on 127.0.0.1: a local Ray instance, a moto S3-
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import statistics
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from raytrain import storage
+from raytrain.rundir import ATTEMPTS, METRICS, RunDir
 
 
 def figure(part: str, name: str, value: Optional[float], unit: str, baseline: str, baseline_value: Optional[float],
@@ -52,7 +52,7 @@ def train_cfg(data: str, runs: str, name: str, workers: int, steps: int, log_eve
 
 
 def metrics(run_uri: str) -> list[dict]:
-    return [json.loads(line) for line in storage.read_text(storage.join(run_uri, "metrics.jsonl")).splitlines()]
+    return RunDir(run_uri).read_jsonl(METRICS)
 
 
 def steady(windows: list[float]) -> float:
@@ -224,7 +224,7 @@ def _tree_bytes(d: str) -> int:
 
 
 def _same_tree(a: str, b: str) -> bool:
-    from raytrain.checkpoints import hash_local_files
+    from raytrain.ckpt.layout import hash_local_files
 
     return hash_local_files(a) == hash_local_files(b)
 
@@ -237,7 +237,9 @@ def checkpoint(tmp: str, bucket: str, total_bytes: int, reps: int, log: Callable
     import boto3
 
     from raytrain.config import Config
-    from raytrain.worker.checkpoint import CheckpointWriter, TrainState
+    from raytrain.ckpt.layout import dir_name
+    from raytrain.ckpt.state import TrainState
+    from raytrain.ckpt.writer import CheckpointWriter
 
     engine = StandInEngine(total_bytes)
     src = os.path.join(tmp, "ckpt-src")
@@ -318,13 +320,13 @@ def checkpoint(tmp: str, bucket: str, total_bytes: int, reps: int, log: Callable
     for mode in ("sync", "async"):
         c = Config().checkpoint.model_copy(update={"upload": mode, "keep_last": 2, "upload_retries": 0,
                                                    "staging_dir": os.path.join(tmp, "staging")})
-        w = CheckpointWriter(c, f"s3://{bucket}/{prefix}/stall-{mode}", rank=0, world=1)
+        w = CheckpointWriter(c, run_uri=f"s3://{bucket}/{prefix}/stall-{mode}", rank=0, world=1)
         stalls[mode] = []
         for step in range(1, reps + 1):
             w.save(engine, TrainState(step=step, world_size=1), "bench: true\n")
             stalls[mode].append(w.last_stall_s)
             w.wait()
-            assert w.committed == f"checkpoint_{step:08d}", w.failed
+            assert w.committed == dir_name(step), w.failed
         uploads[mode] = w.last_upload_s
         storage.delete_dir(f"s3://{bucket}/{prefix}/stall-{mode}")
     a, s = min(stalls["async"]), min(stalls["sync"])
@@ -356,7 +358,7 @@ def recovery(data: str, tmp: str, quick: bool, log: Callable = print) -> list[di
     t = time.time()
     summary = train(cfg, log=_quiet, inject={"events": [{"step": kill, "rank": 1, "signal": "SIGKILL"}],
                                              "marker": marker})
-    attempts = [json.loads(line) for line in storage.read_text(storage.join(cfg.run_uri, "attempts.jsonl")).splitlines()]
+    attempts = RunDir(cfg.run_uri).read_jsonl(ATTEMPTS)
     killed_at = float(Path(marker + ".0").read_text())
     fresh, resumed = attempts[0], attempts[-1]
     rec_s = resumed["first_step_time"] - killed_at

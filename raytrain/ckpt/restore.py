@@ -1,0 +1,193 @@
+"""Resume: find the newest committed checkpoint every rank reads intact (collective), then load engine, RNG and
+counters from it."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from raytrain import storage
+from raytrain.rundir import RunDir
+from raytrain.ckpt.catalog import complete_candidates
+from raytrain.ckpt.layout import ENGINE_TAG, RESTORES, STATE, UNIVERSAL, UNIVERSAL_TAG, rng_file
+from raytrain.ckpt.node_cache import local_root, make_local, node_id, release, remove_stale
+from raytrain.ckpt.reshard import ensure_universal, universal_files
+from raytrain.ckpt.state import TrainState, set_rng_state
+
+_RANKED = re.compile(r"(?:^|/)(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_(?:optim|model)_states\.pt$|(?:^|/)rank_(\d+)\.pt$")
+
+
+@dataclass
+class ResumePoint:
+    """A verified checkpoint and the local directory that holds the files this rank reads from it."""
+
+    uri: str  # the checkpoint in storage
+    path: str  # local directory (the checkpoint itself when storage is local)
+    staged: Optional[str] = None  # this node's staging directory, released after the restore
+    world_size: int = 0
+
+    @property
+    def filesystem(self):
+        import pyarrow.fs as pafs
+
+        return pafs.LocalFileSystem()
+
+    def release(self) -> None:
+        """Done with the files: the last user on the node removes its staging directory."""
+        release(self.staged)
+        self.staged = None
+
+
+def files_for_rank(files: dict, rank: int, world: int, saved_world: int, *, tensor_parallel: bool = False) -> list[str]:
+    """The manifest entries this rank reads on restore: its own partitions (zero_pp_rank_R_*, rng/rank_R) and
+    everything shared (the 16-bit weights of ZeRO-0/1/2, counters, config). All of it for a resize (the universal
+    conversion reads every partition) or a tensor-parallel run (data-parallel ranks are not world ranks)."""
+    if saved_world != world or tensor_parallel:
+        return sorted(files)
+    out = []
+    for rel in files:
+        m = None if rel.startswith(UNIVERSAL + "/") else _RANKED.search(rel)  # a universal form is read whole
+        if m is None or int(m.group(1) or m.group(2)) == rank:
+            out.append(rel)
+    return sorted(out)
+
+
+def find_resume_point(run_uri: str, rank: int, *, deep: bool = True, local_dir: Optional[str] = None,
+                      tensor_parallel: bool = False) -> Optional[ResumePoint]:
+    """The newest committed checkpoint every rank could read intact; collective across ranks.
+
+    Rank 0 lists the committed checkpoints (sizes checked) and shares their manifests. Each rank then fetches only
+    the files it reads (its partitions and the shared ones) - once per node, into `checkpoint.local_dir` - and
+    checks their sha256 while they stream in (`deep`; in place when storage is local). One all-gather of small
+    records decides: if any rank found a bad file, every rank moves on to the previous complete checkpoint.
+    Bytes downloaded per node are logged and appended to <run>/restores.jsonl.
+    """
+    from raytrain.worker.runlog import say
+
+    world = _world()
+    root = local_root(local_dir)
+    remove_stale(root)
+    offer = _broadcast(complete_candidates(run_uri, log=say) if rank == 0 else None)
+    for uri, manifest in offer or []:
+        files = manifest["files"]
+        saved_world = read_world = int(manifest.get("world_size") or world)
+        if saved_world != world:
+            # Resize: the checkpoint's universal form, converted once (rank 0, or an earlier resize) and kept
+            # beside it in storage; the other ranks wait here for it, then read it instead of the partitions.
+            uni = _broadcast(ensure_universal(run_uri, uri, files, root=root, deep=deep, from_world=saved_world,
+                                              to_world=world) if rank == 0 else None)
+            if "bad" in uni:
+                if rank == 0:
+                    say(f"warning: skipping checkpoint {uri}: {uni['bad'][0]} failed verification; trying the "
+                        "previous one")
+                continue
+            files = universal_files(files, uni["files"])
+            read_world = world  # what the ranks read now is the same for every world size
+        mine = files_for_rank(files, rank, world, read_world, tensor_parallel=tensor_parallel)
+        point, rec = _read_mine(uri, files, mine, rank=rank, root=root, deep=deep)
+        point.world_size = saved_world
+        recs = _all_gather(rec, world)
+        ok = not any(r["bad"] for r in recs)
+        if rank == 0:
+            _report(run_uri, uri, files, recs, ok=ok)
+        if ok:
+            return point
+        point.release()
+    return None
+
+
+def _world() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _broadcast(obj):
+    """Rank 0's `obj` on every rank (collective when there is a process group)."""
+    import torch.distributed as dist
+
+    box = [obj]
+    if dist.is_initialized():
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _all_gather(rec: dict, world: int) -> list:
+    """Every rank's `rec`, in rank order (collective when there is a process group)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return [rec]
+    out = [None] * world
+    dist.all_gather_object(out, rec)
+    return out
+
+
+def _read_mine(uri: str, files: dict, mine: list[str], *, rank: int, root: str,
+               deep: bool) -> tuple[ResumePoint, dict]:
+    """This rank's files of a checkpoint made local and verified: the resume point and this rank's record of it."""
+    from raytrain.worker.runlog import say
+
+    t0 = time.perf_counter()
+    local = make_local(uri, files, mine, root=root, deep=deep)
+    rec = {"rank": rank, "node": node_id(), "bad": local.bad, "bytes": local.nbytes, "files": len(mine),
+           "reads": sum(files[rel]["size"] for rel in mine), "s": round(time.perf_counter() - t0, 3)}
+    if local.bad:
+        say(f"warning: rank {rank}: {', '.join(local.bad[:3])} in {uri} failed its sha256/size check")
+    return ResumePoint(uri, local.path, local.staged), rec
+
+
+def _report(run_uri: str, uri: str, files: dict, recs: list, *, ok: bool) -> None:
+    """Rank 0: the bytes downloaded per node (or which rank found a bad file), said and added to restores.jsonl."""
+    from raytrain.worker.runlog import say
+
+    nodes: dict[str, int] = {}
+    for r in recs:
+        nodes[r["node"]] = nodes.get(r["node"], 0) + r["bytes"]
+    total = sum(f["size"] for f in files.values())
+    if ok and storage.is_remote(run_uri):
+        say(f"restore {uri.rsplit('/', 1)[-1]}: downloaded per node " + ", ".join(
+            f"node ..{n[-8:]} {b / 2**20:,.1f} MiB" for n, b in sorted(nodes.items())) + f" of {total / 2**20:,.1f} MiB")
+    elif not ok:
+        which = "; ".join(f"rank {r['rank']}: {r['bad'][0]}" for r in recs if r["bad"])
+        say(f"warning: skipping checkpoint {uri}: {which} failed verification; trying the previous one")
+    RunDir(run_uri).append_jsonl(RESTORES, {
+        "checkpoint": uri.rsplit("/", 1)[-1], "ok": ok, "time": round(time.time(), 3),
+        "checkpoint_bytes": total, "node_bytes": nodes, "ranks": recs})
+
+
+def peek_state(point) -> TrainState:
+    """Only the counters of a checkpoint (a few bytes), read before the engine is built."""
+    with point.filesystem.open_input_stream(f"{point.path}/{STATE}") as f:
+        return TrainState.from_json(f.read())
+
+
+def restore(engine, point: ResumePoint, *, rank: int, world: int) -> TrainState:
+    """Load engine, RNG and counters from a resume point (find_resume_point). Collective across ranks.
+
+    Written by another number of workers: the engine state comes from the checkpoint's universal form
+    (converted once per checkpoint, see reshard.ensure_universal; the engine must be built with `load_universal`).
+    """
+    import torch
+
+    try:
+        d = point.path
+        with open(os.path.join(d, STATE)) as f:
+            state = TrainState.from_json(f.read())
+        if state.world_size != world:  # find_resume_point fetched the universal form
+            path, _ = engine.load_checkpoint(os.path.join(d, UNIVERSAL), tag=UNIVERSAL_TAG)
+        else:
+            path, _ = engine.load_checkpoint(d, tag=ENGINE_TAG)
+        if path is None:
+            raise RuntimeError(f"DeepSpeed could not load the engine state in {point.uri}")
+        # RNG streams belong to ranks; after a resize, ranks without a saved stream keep their seed.
+        rng = os.path.join(d, rng_file(rank))
+        if os.path.exists(rng):
+            set_rng_state(torch.load(rng, weights_only=False))
+    finally:
+        point.release()
+    state.world_size = world
+    return state
