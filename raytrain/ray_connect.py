@@ -9,7 +9,8 @@ The address is the command's setting (`scaling.address` for train and tune), els
 | `ray://HOST:10001` | joins through Ray Client, with the token this machine has |
 | `http://...`, `https://...` | refused with one line: that is the Ray Jobs API address (what `ray job submit` and `scripts/local_cluster.sh env` use), which a driver cannot join; submit with `ray job submit -- raytrain <command> ...`, or on a cluster node use `auto` |
 
-A process already connected to Ray (a test session, a Tune trial) keeps its connection, whatever the address.
+A process already connected to Ray (a test session, a Tune trial) keeps its connection, whatever the address
+(a Jobs API address is refused all the same).
 `raytrain prepare` with `engine=auto` connects only when an address other than the Jobs API's is given
 (otherwise it reads in this process); `engine=ray` follows the table.
 
@@ -53,7 +54,7 @@ def is_jobs_api(address: Optional[str]) -> bool:
 def check_address(command: str, setting: Optional[str] = None, prefix: str = "") -> Optional[str]:
     """Refuse a Jobs API address with one line (before any work: fast); returns the address to use."""
     address = resolve(setting)
-    if is_jobs_api(address) and not already_connected():
+    if is_jobs_api(address):  # wrong for every driver, connected or not: say so before anything runs
         name = "scaling.address" if setting else "RAY_ADDRESS"
         auto = _SETTING.get(command, "RAY_ADDRESS") + "=auto"
         raise UserError(f"{prefix}{name}={address} is the Ray Jobs API address, which a driver cannot join: submit "
