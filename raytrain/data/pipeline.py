@@ -2,9 +2,10 @@
 CPUs (engine=ray), or in this process for small inputs (engine=local: same functions, same bytes out).
 
     read files ─ map_batches(normalise + sign) ─ materialize S (object store; spills to disk)
-      S ─ map_batches(explode LSH bands) ─ groupby(band group).map_groups(bucket_drops) ─ near-dup markers
+      S ─ map_batches(explode LSH bands) ─ groupby(band group).map_groups(bucket_pairs) ─ candidate pairs P
+      S kept ∪ P ─ groupby(partition of the smaller-hash document).map_groups(attach_partners) ─ pairs + its text
       S ─ sample (by hash) ─ driver trains the tokenizer on it (bounded)
-      S kept ∪ markers ─ groupby(partition).map_groups(dedup, split, tokenize, pack, stats) ─ materialize F
+      S kept ∪ pairs ─ groupby(partition).map_groups(dedup, verify pairs, split, tokenize, pack, stats) ─ F
       F rows ─ map_batches(global row number, shard) ─ groupby(shard).map_groups(write shard files)
 Only counts, the tokenizer sample, per-partition statistics and one manifest entry per shard reach the driver.
 """
@@ -26,7 +27,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from raytrain.data import minhash, stages
+from raytrain.data import minhash, neardup, stages
 from raytrain.data.corpus import BUILTIN, python_docs
 from raytrain.data.inputs import expand, read_file, read_units, use_ray, user_errors_from_ray
 from raytrain.data.report import MAX_LENGTH_SAMPLE
@@ -150,15 +151,10 @@ def _builtin_table(docs: list[str]) -> pa.Table:
 def _kept_docs(batch: pa.Table) -> pa.Table:
     b = batch.filter(pc.equal(batch.column("reason"), ""))
     return pa.table({"text": b.column("text"), "h": b.column("h"), "k": b.column("k"), "part": b.column("part"),
-                     "val": b.column("val"), "marker": pa.array(np.zeros(b.num_rows, bool))})
+                     "val": b.column("val"), "marker": pa.array(np.zeros(b.num_rows, bool)),
+                     "other": pa.array(np.zeros(b.num_rows, np.uint64))})
 
 
-def _markers(batch: pa.Table, *, n_parts: int) -> pa.Table:
-    k = batch.column("k").to_numpy()
-    n = len(k)
-    return pa.table({"text": pa.array([""] * n, pa.large_string()), "h": pa.array([b"\0" * 16] * n, pa.binary(16)),
-                     "k": pa.array(k, pa.uint64()), "part": pa.array(stages.partition_of(k, n_parts)),
-                     "val": pa.array(np.zeros(n, bool)), "marker": pa.array(np.ones(n, bool))})
 
 
 def _sample_batch(batch: pa.Table, *, frac: float, seed: int) -> pa.Table:
@@ -211,7 +207,8 @@ def merge_stats(stats: list[dict], review_n: int) -> dict:
         for p in sorted(per):
             offsets[name][p] = acc
             acc += per[p]
-    return {"counts": counts, "splits": splits, "offsets": offsets}
+    near = neardup.merge([s["near"] for _, s in stats if "near" in s])
+    return {"counts": counts, "splits": splits, "offsets": offsets, "near": near}
 
 
 def _stage_kwargs(cfg, src: Sources) -> dict:
@@ -235,7 +232,11 @@ def run(cfg, out: str, make_tokenizer: Callable[[Optional[list[str]]], tuple], l
         f"read unit(s), {src.bytes / 2**20:.1f} MB, "
         f"{src.n_parts} partition(s), engine {'ray' if ray_engine else 'local'}")
     with user_errors_from_ray():
-        return (_run_ray if ray_engine else _run_local)(cfg, src, out, make_tokenizer, log)
+        r = (_run_ray if ray_engine else _run_local)(cfg, src, out, make_tokenizer, log)
+    kw = _stage_kwargs(cfg, src)
+    r["near"] = ({"threshold": cfg.near_dup_threshold, "bands": kw["bands"], "rows": kw["rows"], **r["near"],
+                  "s_curve": neardup.s_curve(cfg.near_dup_threshold, kw["bands"], kw["rows"])} if kw["near"] else None)
+    return r
 
 
 def spill_dir() -> str:
@@ -302,8 +303,9 @@ def _run_local(cfg, src: Sources, out: str, make_tokenizer, log) -> dict:
                                       lambda frac: _sample_batch(S, frac=frac, seed=cfg.seed).to_pylist(), log)
         parts = [_kept_docs(S)]
         if kw["near"]:
-            drops = stages.bucket_drops(stages.explode_bands(S, n_groups=1))
-            parts.append(_markers(drops, n_parts=src.n_parts))
+            requests = stages.bucket_pairs(stages.explode_bands(S, n_groups=1), n_parts=src.n_parts)
+            # one group for the whole corpus: attach_partners needs only each pair beside its document
+            parts.append(stages.attach_partners(pa.concat_tables([stages.lookup_docs(S), requests]), n_parts=src.n_parts))
         docs = pa.concat_tables(parts)
         fin_kw = _finalize_kwargs(cfg, tok, eot_id, n_kept)
         part_col = docs.column("part").to_numpy()
@@ -327,7 +329,7 @@ def _finalize_kwargs(cfg, tok, eot_id, n_kept: int) -> dict:
     cutoffs = {"train": cut(MAX_LENGTH_SAMPLE, 1 - cfg.val_fraction), "val": cut(MAX_LENGTH_SAMPLE, cfg.val_fraction),
                "review": cut(max(cfg.review_samples, 100), 1 - cfg.val_fraction)}
     return dict(tok_json=tok.to_str(), eot_id=eot_id, window=cfg.seq_len + 1, pii=cfg.pii_scrub,
-                review_n=cfg.review_samples, seed=cfg.seed, cutoffs=cutoffs)
+                review_n=cfg.review_samples, seed=cfg.seed, cutoffs=cutoffs, near_threshold=cfg.near_dup_threshold)
 
 
 def _write_kwargs(cfg, out) -> dict:
@@ -350,7 +352,7 @@ def _result(merged, counts, written_rows, tok, eot_id, engine) -> dict:
         reuse[r["split"]][1] += len(entries) - r["reused"]
     counts.update({k: v for k, v in merged["counts"].items() if v})
     return {"counts": counts, "splits": merged["splits"], "shards": shards, "reuse": reuse, "tok": tok,
-            "eot_id": eot_id, "engine": engine}
+            "eot_id": eot_id, "engine": engine, "near": merged["near"]}
 
 
 def _run_ray(cfg, src: Sources, out: str, make_tokenizer, log) -> dict:
@@ -392,13 +394,16 @@ def _run_ray(cfg, src: Sources, out: str, make_tokenizer, log) -> dict:
         docs = S.map_batches(_kept_docs, batch_size=None, batch_format="pyarrow")
         if kw["near"]:
             n_groups = max(1, src.n_parts)
-            markers = (S.select_columns(["reason", "k", "bands"])
-                       .map_batches(stages.explode_bands, batch_size=None, batch_format="pyarrow",
-                                    fn_kwargs={"n_groups": n_groups})
-                       .groupby("g").map_groups(stages.bucket_drops, batch_format="pyarrow")
-                       .map_batches(_markers, batch_size=None, batch_format="pyarrow",
-                                    fn_kwargs={"n_parts": src.n_parts}))
-            docs = docs.union(markers)
+            parts_kw = {"n_parts": src.n_parts}
+            requests = (S.select_columns(["reason", "k", "bands"])
+                        .map_batches(stages.explode_bands, batch_size=None, batch_format="pyarrow",
+                                     fn_kwargs={"n_groups": n_groups})
+                        .groupby("g").map_groups(stages.bucket_pairs, batch_format="pyarrow", fn_kwargs=parts_kw))
+            # Each pair meets the text of its smaller-hash document here: the kept text goes through this shuffle
+            # once, so finalize_partition can compute the pair's exact Jaccard (docs/DATA.md, near duplicates).
+            pairs = (S.map_batches(stages.lookup_docs, batch_size=None, batch_format="pyarrow").union(requests)
+                     .groupby("part").map_groups(stages.attach_partners, batch_format="pyarrow", fn_kwargs=parts_kw))
+            docs = docs.union(pairs)
         log("prepare: de-duplicating, tokenizing and packing")
         F = docs.groupby("part").map_groups(stages.finalize_partition, batch_format="pyarrow",
                                             fn_kwargs={**_finalize_kwargs(cfg, tok, eot_id, n_kept), "progress": prog}

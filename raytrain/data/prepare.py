@@ -154,7 +154,7 @@ def prepare(cfg: PrepareConfig, log=print) -> dict:
         storage.write_text(storage.join(out, split, mf.MANIFEST), json.dumps(manifest, indent=1))
         report[split] = {"documents": int(s["documents"]), "samples": int(s["rows"]),
                          "tokens": int(s["rows"]) * window, "shards": len(shards[cfg.formats[0]])}
-    data_report = write_report(out, counts, splits, report, cfg.seed)
+    data_report = write_report(out, counts, splits, report, cfg.seed, near=r["near"])
     report["filters"] = dict(counts)
     report["ks_train_val_doc_tokens"] = data_report["ks_train_val_doc_tokens"]
     return report

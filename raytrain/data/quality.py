@@ -34,9 +34,10 @@ def clean_documents(docs: Iterable[str], min_chars: int, max_chars: int, near_du
                     pii: bool, seed: int) -> tuple[list[str], Counter]:
     """Every quality step of the prepare pipeline (data/stages.py), in this process: the kept documents in input
     order (the first copy of exact duplicates; near duplicates as the pipeline decides) and per-step counts."""
+    import numpy as np
     import pyarrow as pa
 
-    from raytrain.data import minhash, stages
+    from raytrain.data import minhash, neardup, stages
 
     docs = list(docs)
     near = near_dup_threshold < 1.0
@@ -45,7 +46,15 @@ def clean_documents(docs: Iterable[str], min_chars: int, max_chars: int, near_du
                                min_chars=min_chars, max_doc_chars=max_chars, near=near, bands=bands, rows=rows,
                                seed=seed, n_parts=1, val_fraction=0.0)
     counts: Counter = Counter({"input": len(docs)})
-    drops = set(stages.bucket_drops(stages.explode_bands(s, n_groups=1)).column("k").to_pylist()) if near else set()
+    drops: set = set()
+    if near:
+        requests = stages.bucket_pairs(stages.explode_bands(s, n_groups=1), n_parts=1)
+        pairs = stages.attach_partners(pa.concat_tables([stages.lookup_docs(s), requests]), n_parts=1)
+        docs = stages.lookup_docs(s)
+        k = docs.column("k").to_numpy()
+        removed, _ = neardup.verify(k, docs.column("text").to_pylist(), pairs, threshold=near_dup_threshold,
+                                    draw=np.zeros(len(k)))
+        drops = set(k[removed].tolist())
     seen: set = set()
     kept = []
     for text, why, h, k in zip(*(s.column(c).to_pylist() for c in ("text", "reason", "h", "k"))):

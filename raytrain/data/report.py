@@ -47,9 +47,11 @@ def split_stats(s: dict) -> dict:
     return out
 
 
-def write_report(out: str, counts: dict, splits: dict[str, dict], summary: dict, seed: int) -> dict:
+def write_report(out: str, counts: dict, splits: dict[str, dict], summary: dict, seed: int,
+                 near: Optional[dict] = None) -> dict:
     """`splits`: per split the exact totals and the bottom-k samples of (hash draw, document length) and of
-    (hash draw, text) that the pipeline merged from its partitions."""
+    (hash draw, text) that the pipeline merged from its partitions; `near`: the near-duplicate summary
+    (settings, pairs, removed documents' Jaccard bins, review pairs), None when near-dedup is off."""
     doc_lengths = {name: [n for _, n in s.get("lengths", [])] for name, s in splits.items()}
     approx = any(len(doc_lengths[n]) < s.get("documents", 0) for n, s in splits.items())
     report = {
@@ -59,13 +61,27 @@ def write_report(out: str, counts: dict, splits: dict[str, dict], summary: dict,
         "ks_approximate": approx,
         "doc_token_lengths_sample": doc_lengths,
     }
-    review = [t for _, t in splits.get("train", {}).get("review", [])]
+    review = [{"text": t} for _, t in splits.get("train", {}).get("review", [])]
+    if near is not None:
+        report["near_duplicates"] = near_section(near, removed=counts.get("dropped_near_duplicate", 0))
+        review += [{"text": a, "removed_as_near_duplicate_of": b, "jaccard": round(j, 4)}
+                   for _, a, b, j in near["review"]]
     storage.write_text(storage.join(out, REPORT), json.dumps(report, indent=1))
-    storage.write_text(storage.join(out, "review_sample.jsonl"),
-                       "".join(json.dumps({"text": t}) + "\n" for t in review))
+    storage.write_text(storage.join(out, "review_sample.jsonl"), "".join(json.dumps(r) + "\n" for r in review))
     storage.write_bytes(storage.join(out, HISTOGRAM), histogram_png(doc_lengths))
     storage.write_text(storage.join(out, "report.md"), render_markdown(report))
     return report
+
+
+def near_section(near: dict, *, removed: int) -> dict:
+    """report.json's near-duplicate section: settings, pair counts, and removed documents by their best match's
+    exact Jaccard (bins of 0.01 that hold any)."""
+    bins = near["jaccard_bins"]
+    return {"threshold": near["threshold"], "bands": near["bands"], "rows": near["rows"], "removed": removed,
+            "candidate_pairs": near["candidate_pairs"], "verified_pairs": near["verified_pairs"],
+            "rejected_pairs": near["rejected_pairs"],
+            "removed_by_jaccard": {f"{i / len(bins):.2f}": n for i, n in enumerate(bins) if n},
+            "s_curve": near["s_curve"]}
 
 
 def histogram_png(doc_lengths: dict[str, list[int]]) -> bytes:
@@ -116,7 +132,22 @@ def render_markdown(r: dict) -> str:
                  f"{MAX_LENGTH_SAMPLE} documents per split drawn by content hash." if approx else ""), "",
               f"![document lengths per split]({HISTOGRAM})", "",
               "A reproducible sample of documents for review is in `review_sample.jsonl`.", ""]
+    if "near_duplicates" in r:
+        lines += near_markdown(r["near_duplicates"])
     return "\n".join(lines)
+
+
+def near_markdown(n: dict) -> list[str]:
+    lines = ["## Near duplicates", "",
+             f"MinHash LSH ({n['bands']} bands of {n['rows']} rows) proposed {n['candidate_pairs']} candidate pairs; "
+             f"{n['verified_pairs']} had an exact shingle Jaccard >= {n['threshold']} (verified), "
+             f"{n['rejected_pairs']} were rejected. {n['removed']} documents were removed; "
+             "`review_sample.jsonl` shows a few beside the document that caused the removal.", "",
+             "| best match's Jaccard | removed documents |", "| --- | --- |"]
+    lines += [f"| {j} | {c} |" for j, c in n["removed_by_jaccard"].items()]
+    lines += ["", "| pair's Jaccard | P(candidate) | P(removed) |", "| --- | --- | --- |"]
+    lines += [f"| {p['jaccard']} | {p['candidate']:.3f} | {p['removed']:.3f} |" for p in n["s_curve"]]
+    return lines + [""]
 
 
 def compare(a: str, b: str, split: str = "train") -> dict:

@@ -1,6 +1,6 @@
 """Worker-side stages of `raytrain prepare`, as pure functions on Arrow tables (Ray Data tasks and the in-process
-engine run the same code): normalise + sign, LSH bucket drops, per-partition finalise (dedup, split, tokenize,
-pack, statistics) and shard writing.
+engine run the same code): normalise + sign, LSH candidate pairs and their texts, per-partition finalise (dedup, near-duplicate
+verification, split, tokenize, pack, statistics) and shard writing.
 
 Every decision depends on a document's content hash only - its partition, its split, whether it is the copy
 kept among duplicates, its place in the output - never on batch boundaries, block counts or task order, so the
@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from raytrain import storage
-from raytrain.data import minhash
+from raytrain.data import minhash, neardup
 from raytrain.data.quality import normalise, scrub_pii
 from raytrain.data.report import MAX_LENGTH_SAMPLE
 
@@ -104,19 +104,56 @@ def explode_bands(batch: pa.Table, *, n_groups: int) -> pa.Table:
     return pa.table({"bk": bk, "k": k, "g": (bk % np.uint64(n_groups)).astype(np.int64)})
 
 
-def bucket_drops(group: pa.Table) -> pa.Table:
-    """Documents that share an LSH bucket with a document of smaller hash: dropped as near duplicates.
+MAX_BUCKET_PEERS = 64  # a bucket member is paired with at most this many smaller-hash members: bounded work per bucket
 
-    A one-hop rule, not connected components: the document with the smallest hash in every bucket it is in is
-    kept, so a chain a~b~c where a and c are not alike can keep c when b is dropped only through a."""
+
+def bucket_pairs(group: pa.Table, *, n_parts: int) -> pa.Table:
+    """Candidate pairs from shared LSH buckets, as requests: k = the smaller-hash document, other = the larger one,
+    routed to k's partition, where attach_partners finds k's text. Copies of one document (same k) are one member;
+    in a bucket of thousands each member is paired with its bucket's MAX_BUCKET_PEERS smallest hashes only."""
     bk, k = group.column("bk").to_numpy(), group.column("k").to_numpy()
     order = np.lexsort((k, bk))
     bk, k = bk[order], k[order]
+    one = np.ones(len(bk), bool)
+    one[1:] = (bk[1:] != bk[:-1]) | (k[1:] != k[:-1])
+    bk, k = bk[one], k[one]
+    idx = np.arange(len(bk))
     first = np.ones(len(bk), bool)
     first[1:] = bk[1:] != bk[:-1]
-    bucket_min = k[np.maximum.accumulate(np.where(first, np.arange(len(bk)), 0))]
-    drop = np.unique(k[k != bucket_min])  # copies of the same document (same k) never drop each other
-    return pa.table({"k": pa.array(drop, pa.uint64())})
+    start = np.maximum.accumulate(np.where(first, idx, 0))
+    n_peer = np.minimum(idx - start, MAX_BUCKET_PEERS)
+    later = np.repeat(idx, n_peer)
+    earlier = start[later] + np.arange(len(later)) - np.repeat(np.cumsum(n_peer) - n_peer, n_peer)
+    # A pair sharing several bands meets in several groups: attach_partners keeps one.
+    pairs = np.unique(np.stack([k[earlier], k[later]], axis=1), axis=0) if len(later) else np.zeros((0, 2), np.uint64)
+    n = len(pairs)
+    return pa.table({"text": pa.array([""] * n, pa.large_string()), "k": pa.array(pairs[:, 0], pa.uint64()),
+                     "part": pa.array(partition_of(pairs[:, 0], n_parts)),
+                     "other": pa.array(pairs[:, 1], pa.uint64()), "marker": pa.array(np.ones(n, bool))})
+
+
+def lookup_docs(batch: pa.Table) -> pa.Table:
+    """Kept documents as attach_partners reads them beside the pair requests."""
+    b = batch.filter(pc.equal(batch.column("reason"), ""))
+    return pa.table({"text": b.column("text"), "k": b.column("k"), "part": b.column("part"),
+                     "other": pa.array(np.zeros(b.num_rows, np.uint64)), "marker": pa.array(np.zeros(b.num_rows, bool))})
+
+
+def attach_partners(group: pa.Table, *, n_parts: int) -> pa.Table:
+    """Kept documents (marker False) and pair requests (marker True, k among those documents) -> each distinct pair
+    once, carrying k's text, keyed by the larger-hash document and routed to its partition for verification."""
+    marker = group.column("marker").to_numpy(zero_copy_only=False)
+    docs, req = group.filter(pa.array(~marker)), group.filter(pa.array(marker))
+    pairs = np.unique(np.stack([req.column("k").to_numpy(), req.column("other").to_numpy()], axis=1), axis=0) \
+        if req.num_rows else np.zeros((0, 2), np.uint64)
+    dk = docs.column("k").to_numpy()
+    order = np.argsort(dk, kind="stable")
+    idx = order[np.searchsorted(dk, pairs[:, 0], sorter=order)] if len(pairs) else np.zeros(0, np.int64)
+    n = len(pairs)
+    return pa.table({"text": docs.column("text").take(pa.array(idx, pa.int64())).combine_chunks().cast(pa.large_string()),
+                     "h": pa.array([b"\0" * 16] * n, pa.binary(16)), "k": pa.array(pairs[:, 1], pa.uint64()),
+                     "part": pa.array(partition_of(pairs[:, 1], n_parts)), "val": pa.array(np.zeros(n, bool)),
+                     "marker": pa.array(np.ones(n, bool)), "other": pa.array(pairs[:, 0], pa.uint64())})
 
 
 _TOKENIZERS: dict[str, object] = {}
@@ -139,15 +176,16 @@ def bottom(pairs, n: int) -> list:
 
 
 def finalize_partition(group: pa.Table, *, tok_json: str, eot_id: int, window: int, pii: bool, review_n: int,
-                       seed: int, cutoffs: dict, progress=None) -> pa.Table:
-    """One partition's documents (+ near-duplicate markers) -> packed rows per split, and one stats row.
+                       seed: int, cutoffs: dict, near_threshold: float = 1.0, progress=None) -> pa.Table:
+    """One partition's documents (+ near-duplicate candidate pairs, marker rows) -> packed rows per split, and
+    one stats row.
 
     Documents are taken in content-hash order, so the rows depend only on which documents the partition holds.
     Sample candidates are only those whose hash draw is below the split's cutoff (about twice the sample size
     over the whole corpus), so what the driver merges stays bounded however many partitions there are."""
     counts: Counter = Counter()
     marker = group.column("marker").to_numpy(zero_copy_only=False)
-    near = set(group.column("k").to_numpy()[marker].tolist())
+    pairs = group.filter(pa.array(marker))
     docs = group.filter(pa.array(~marker))
     docs = docs.take(pc.sort_indices(docs, [("h", "ascending")]))
     h = docs.column("h").to_pylist()
@@ -155,7 +193,8 @@ def finalize_partition(group: pa.Table, *, tok_json: str, eot_id: int, window: i
     counts["dropped_exact_duplicate"] = len(h) - sum(first)
     docs = docs.filter(pa.array(first))
     k = docs.column("k").to_numpy()
-    is_near = np.isin(k, np.fromiter(near, np.uint64, len(near))) if near else np.zeros(len(k), bool)
+    is_near, near = neardup.verify(k, docs.column("text").to_pylist(), pairs, threshold=near_threshold,
+                                   draw=unit(k, seed, "review"))
     counts["dropped_near_duplicate"] = int(is_near.sum())
     docs, k = docs.filter(pa.array(~is_near)), k[~is_near]
     texts = docs.column("text").to_pylist()
@@ -192,6 +231,7 @@ def finalize_partition(group: pa.Table, *, tok_json: str, eot_id: int, window: i
         }
     counts["kept"] = len(texts)
     stats["counts"] = dict(counts)
+    stats["near"] = near
     part = int(group.column("part")[0].as_py()) if group.num_rows else 0
     tables = [_rows_table(split, part, rows, window) for split, rows in out_rows]
     tables.append(pa.table({"kind": ["stats"], "split": [""], "part": [part], "seq": [0],
