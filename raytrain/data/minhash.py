@@ -18,7 +18,7 @@ import math
 import numpy as np
 
 SHINGLE = 5
-NUM_PERM = 128  # 14 bands of 9 rows at threshold 0.9: see lsh_params and docs/DATA.md
+NUM_PERM = 128  # 12 bands of 10 rows at threshold 0.9: see lsh_params and docs/DATA.md
 M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 
