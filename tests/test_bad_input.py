@@ -10,7 +10,7 @@ import pytest
 
 from raytrain.errors import UserError
 from raytrain.trainer import train
-from tests.conftest import tiny_cfg
+from tests.helpers import tiny_cfg
 
 
 def _copy(data, tmp_path):

@@ -9,7 +9,7 @@ from raytrain.errors import UserError
 from raytrain.config import load_config
 from raytrain.trainer import train
 from raytrain.worker.interval import FixedCadence, YoungDalyCadence, run_history, young_daly_s
-from tests.conftest import tiny_cfg
+from tests.helpers import tiny_cfg
 
 
 def test_young_daly_and_the_failure_rate_estimate(monkeypatch):

@@ -166,7 +166,7 @@ def test_bad_shard_is_named_or_skipped_alike_at_any_n(many_units, tmp_path, name
 @pytest.mark.slow
 def test_two_worker_run_trains_the_planned_batches_and_reports_its_reads(many_units, tmp_path, ray_cluster):
     from raytrain.trainer import train
-    from tests.conftest import tiny_cfg
+    from tests.helpers import tiny_cfg
 
     common = ("data.val=null", "run.log_every=5", "checkpoint.every_n_steps=100", "checkpoint.save_final=false",
               "batch.micro_batch_size=8")  # global batch 16: one epoch is 15 steps

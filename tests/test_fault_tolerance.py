@@ -17,7 +17,7 @@ from raytrain.config import Config
 from raytrain.errors import UserError
 from raytrain.ckpt.state import TrainState
 from raytrain.ckpt.writer import CheckpointWriter
-from tests.conftest import start_moto
+from tests.helpers import start_moto
 
 
 class _Engine:

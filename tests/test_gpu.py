@@ -19,7 +19,7 @@ import torch
 
 from raytrain import storage
 from raytrain.trainer import train
-from tests.conftest import tiny_cfg
+from tests.helpers import tiny_cfg
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -131,7 +131,7 @@ def test_injected_nan_rolls_back_and_skips_the_window(ray_cluster, tiny_data, tm
     """NaN on the batch of step 7: back to checkpoint 4, that batch skipped, the run finishes with finite losses."""
     from raytrain import storage
     from raytrain.trainer import train
-    from tests.conftest import tiny_cfg
+    from tests.helpers import tiny_cfg
 
     cfg = tiny_cfg(tiny_data, tmp_path, "nanrun", "run.max_steps=10", "checkpoint.every_n_steps=4",
                    "metrics.tensorboard=true", "metrics.prometheus=false")
@@ -170,7 +170,7 @@ def test_injected_nan_rolls_back_and_skips_the_window(ray_cluster, tiny_data, tm
 def test_repeated_violations_stop_the_run_with_a_report(ray_cluster, tiny_data, tmp_path):
     from raytrain.errors import UserError
     from raytrain.trainer import train
-    from tests.conftest import tiny_cfg
+    from tests.helpers import tiny_cfg
 
     cfg = tiny_cfg(tiny_data, tmp_path, "stop", "run.max_steps=6", "checkpoint.every_n_steps=2",
                    "health.max_rollbacks=0", "metrics.prometheus=false")
@@ -239,7 +239,7 @@ def test_comm_watch_files_the_diagnosis_before_nccls_watchdog_and_withdraws_it_i
 def test_a_stalled_rank_gives_a_named_communication_timeout_not_a_hang(ray_cluster, tiny_data, tmp_path):
     from raytrain.errors import UserError
     from raytrain.trainer import train
-    from tests.conftest import tiny_cfg
+    from tests.helpers import tiny_cfg
 
     cfg = tiny_cfg(tiny_data, tmp_path, "stall", "run.max_steps=8", "scaling.collective_timeout_s=6",
                    "metrics.prometheus=false")

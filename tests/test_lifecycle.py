@@ -15,7 +15,7 @@ from raytrain import storage
 from raytrain.ckpt import catalog
 from raytrain.cli import main
 from raytrain.trainer import train
-from tests.conftest import tiny_cfg
+from tests.helpers import tiny_cfg
 
 slow = pytest.mark.slow  # the end-to-end tests; the bad-input ones at the end are quick
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from raytrain import storage
-from tests.conftest import _free_port
+from tests.helpers import free_port
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,7 +30,7 @@ BIN = Path(sys.executable).parent
 def fake_cluster(s3_server, tmp_path_factory):
     """The simulated cluster on private ports, started with the S3 settings in its environment (as an
     instance profile would give them to real nodes). Yields (gcs_port, dashboard_port)."""
-    port, dash = _free_port(), _free_port()
+    port, dash = free_port(), free_port()
     env = {**os.environ, "RAYTRAIN_CLUSTER_PORT": str(port), "RAYTRAIN_CLUSTER_DASHBOARD_PORT": str(dash),
            "RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0"}
     up = subprocess.run([str(ROOT / "scripts" / "local_cluster.sh"), "up"], env=env, capture_output=True, text=True,

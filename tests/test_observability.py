@@ -12,7 +12,7 @@ import pytest
 from raytrain.cli import main
 from raytrain.serving.app import SERVING_METRICS
 from raytrain.worker.metrics import CATALOGUE
-from tests.test_prometheus import ensure_prometheus
+from tests.helpers import ensure_prometheus
 
 OBS = Path(__file__).resolve().parent.parent / "observability"
 

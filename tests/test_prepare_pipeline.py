@@ -17,7 +17,7 @@ import pytest
 from raytrain.data import pipeline
 from raytrain.data.prepare import PrepareConfig, prepare
 from raytrain.data.quality import clean_documents
-from tests.conftest import _free_port
+from tests.helpers import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 QUIET = {"log": lambda *_: None}
@@ -175,7 +175,7 @@ def two_node_cluster(s3_server, tmp_path_factory):
     }
     path = tmp_path_factory.mktemp("cluster") / "two-nodes.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    port, dash = _free_port(), _free_port()
+    port, dash = free_port(), free_port()
     env = {**os.environ, "RAYTRAIN_CLUSTER_PORT": str(port), "RAYTRAIN_CLUSTER_DASHBOARD_PORT": str(dash),
            "RAYTRAIN_CLUSTER_CONFIG": str(path), "RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("RAY_ADDRESS", None)

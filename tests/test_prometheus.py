@@ -8,7 +8,6 @@ cluster has no metrics export port), with Ray's metrics report interval at 1 s s
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -22,26 +21,10 @@ import pytest
 import yaml
 
 from raytrain.worker.metrics import ACCELERATOR_ONLY, CATALOGUE, PHASES
-from tests.conftest import _free_port
+from tests.helpers import ensure_prometheus, free_port
 
 OBS = Path(__file__).resolve().parent.parent / "observability"
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def ensure_prometheus() -> tuple[str, str]:
-    """Paths of prometheus and promtool; installs Debian's package when missing, else skips with the reason."""
-    prom, tool = shutil.which("prometheus"), shutil.which("promtool")
-    if prom and tool:
-        return prom, tool
-    if not shutil.which("apt-get") or os.geteuid() != 0:
-        pytest.skip("Prometheus is not installed and cannot be (needs root and apt-get): apt-get install prometheus")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    out = subprocess.run(["apt-get", "install", "-y", "--no-install-recommends", "prometheus"], env=env,
-                         capture_output=True, text=True, timeout=600)
-    prom, tool = shutil.which("prometheus"), shutil.which("promtool")
-    if not (prom and tool):
-        pytest.skip(f"apt-get install prometheus failed: {(out.stderr or out.stdout).strip().splitlines()[-1:]}")
-    return prom, tool
 
 
 CHILD = textwrap.dedent("""
@@ -81,7 +64,7 @@ def _values(base: str, q: str) -> dict[tuple, float]:
 @pytest.mark.slow
 def test_prometheus_scrapes_raytrain_series(tiny_data, tmp_path):
     prom, _ = ensure_prometheus()
-    metrics_port, prom_port = _free_port(), _free_port()
+    metrics_port, prom_port = free_port(), free_port()
     # The repo's scrape config, pointed at this run's metrics port on 127.0.0.1 (the service-discovery
     # file is written by Ray's dashboard, which this small cluster does not run) and scraping every second.
     cfg = yaml.safe_load((OBS / "prometheus.yml").read_text())

@@ -20,7 +20,7 @@ from raytrain.export import export, load_checkpoint
 from raytrain.model import build_model, flops_per_token, moe_aux_loss, param_counts
 from raytrain.capacity import shape_of
 from raytrain.trainer import train
-from tests.conftest import tiny_cfg
+from tests.helpers import tiny_cfg
 
 
 def _metrics(run_uri: str) -> list[dict]:

@@ -24,7 +24,7 @@ import pytest
 from raytrain.ckpt import catalog
 from raytrain.cli import main
 from raytrain.trainer import train
-from tests.conftest import _free_port, tiny_cfg
+from tests.helpers import free_port, tiny_cfg
 
 ROOT = Path(__file__).resolve().parent.parent
 STABLE, CANARY = "v1.0", "step-10"
@@ -61,7 +61,7 @@ def run(ray_cluster, tiny_data, tmp_path_factory):
 def server(run, tmp_path_factory):
     run_uri, summary = run
     d = tmp_path_factory.mktemp("server")
-    port, metrics_port = _free_port(), _free_port()
+    port, metrics_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0", RAY_metrics_report_interval_ms="1000")
     log = (d / "serve.log").open("w")

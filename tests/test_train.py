@@ -15,7 +15,7 @@ from raytrain.ckpt.layout import dir_name
 from raytrain.data.prepare import PrepareConfig, prepare
 from raytrain.trainer import train
 from raytrain.worker.runlog import HEARTBEAT_S
-from tests.conftest import tiny_cfg
+from tests.helpers import tiny_cfg
 
 pytestmark = pytest.mark.slow
 

@@ -24,7 +24,7 @@ from raytrain.sweep.memory import estimate_mb
 from raytrain.sweep.space import MicroBatchSearcher
 from raytrain.sweep.spec import load_spec, microbatch_grid, trial_config
 
-# The model of tests.conftest.tiny_cfg, as dotted overrides; one worker per trial so two trials fit the
+# The model of tests.helpers.tiny_cfg, as dotted overrides; one worker per trial so two trials fit the
 # session's 4-CPU cluster at once (1 worker + 0.5 data CPUs + the trial driver each).
 TINY = ["model.n_layer=1", "model.hidden_size=32", "model.n_head=2", "model.seq_len=32", "optim.warmup_steps=2",
         "data.eval_samples=16", "scaling.num_workers=1", "scaling.data_cpus=0.5", "run.max_failures=0"]

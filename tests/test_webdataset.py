@@ -195,7 +195,7 @@ def test_killed_prepare_resumes_and_skips_verified_shards(corpus_dir, tmp_path, 
 
 @pytest.mark.slow
 def test_training_from_webdataset_skips_a_truncated_tar_and_counts_it(both, tmp_path, ray_cluster):
-    from tests.conftest import tiny_cfg
+    from tests.helpers import tiny_cfg
 
     from raytrain.trainer import train
 

@@ -1,0 +1,81 @@
+"""Helpers the tests share: a synthetic learnable corpus, the smallest useful run, free ports, a moto S3 server.
+
+Imported by the tests and by conftest.py (which holds only fixtures).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from raytrain.config import load_config
+
+WORDS = "zero one two three four five six seven eight nine ten eleven twelve".split()
+
+
+def synthetic_docs(n_docs: int = 120, seed: int = 0) -> list[str]:
+    """Counting sequences starting at random words: easy to learn, so loss must fall fast."""
+    import random
+
+    rng = random.Random(seed)
+    docs = []
+    for _ in range(n_docs):
+        start = rng.randrange(len(WORDS))
+        docs.append(" ".join(WORDS[(start + i) % len(WORDS)] for i in range(rng.randrange(40, 120))) + ".")
+    return docs
+
+
+def tiny_cfg(data: Path | str, storage: Path | str, name: str, *overrides: str):
+    """The smallest useful run: 2 workers, ZeRO-2, a 1-layer GPT on 32-token sequences."""
+    return load_config("tiny", [
+        f"data.train={data}/train", f"data.val={data}/val", f"checkpoint.storage={storage}", f"run.name={name}",
+        "model.n_layer=1", "model.hidden_size=32", "model.n_head=2", "model.seq_len=32",
+        "batch.micro_batch_size=4", "optim.lr=3e-3", "optim.warmup_steps=2", "run.log_every=1",
+        "run.eval_every=0", "data.eval_samples=16", "checkpoint.every_n_steps=5", "run.max_steps=10",
+        "run.max_failures=0", *overrides,
+    ])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_moto() -> tuple[subprocess.Popen, str]:
+    """Start a moto S3 server on a free 127.0.0.1 port; returns (process, endpoint) once it listens."""
+    port = free_port()
+    exe = shutil.which("moto_server", path=os.path.dirname(sys.executable)) or "moto_server"
+    proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    for _ in range(100):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return proc, f"http://127.0.0.1:{port}"
+        except OSError:
+            time.sleep(0.1)
+    proc.kill()
+    pytest.fail("moto_server did not start")
+
+
+def ensure_prometheus() -> tuple[str, str]:
+    """Paths of prometheus and promtool; installs Debian's package when missing, else skips with the reason."""
+    prom, tool = shutil.which("prometheus"), shutil.which("promtool")
+    if prom and tool:
+        return prom, tool
+    if not shutil.which("apt-get") or os.geteuid() != 0:
+        pytest.skip("Prometheus is not installed and cannot be (needs root and apt-get): apt-get install prometheus")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    out = subprocess.run(["apt-get", "install", "-y", "--no-install-recommends", "prometheus"], env=env,
+                         capture_output=True, text=True, timeout=600)
+    prom, tool = shutil.which("prometheus"), shutil.which("promtool")
+    if not (prom and tool):
+        pytest.skip(f"apt-get install prometheus failed: {(out.stderr or out.stdout).strip().splitlines()[-1:]}")
+    return prom, tool
