@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 
-def run_checks(model_dir: str, expect_params: Optional[int] = None, prompt: str = "The", n: int = 20,
+def run_checks(model_dir: str, *, expect_params: Optional[int] = None, prompt: str = "The", n: int = 20,
                max_new_tokens: int = 16, max_p99_ms: Optional[float] = None, data: Optional[str] = None,
                max_loss_diff: float = 1e-3) -> dict:
     """{"ok": bool, "checks": [{name, ok, detail}], plus the figures}. Never raises on a failed check."""

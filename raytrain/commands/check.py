@@ -37,8 +37,9 @@ def run(args) -> int:
         raise UserError("check needs MODEL_DIR (an exported model) or --url URL (a running `raytrain serve`)")
     from raytrain.release_check import run_checks
 
-    out = run_checks(args.model_dir, args.expect_params, args.prompt, args.n, args.max_new_tokens,
-                     args.max_p99_ms, args.data, args.max_loss_diff)
+    out = run_checks(args.model_dir, expect_params=args.expect_params, prompt=args.prompt, n=args.n,
+                     max_new_tokens=args.max_new_tokens, max_p99_ms=args.max_p99_ms, data=args.data,
+                     max_loss_diff=args.max_loss_diff)
     if args.json:
         print(json.dumps(out, indent=1))
     else:
@@ -51,8 +52,9 @@ def run(args) -> int:
 def _url_check(args) -> int:
     from raytrain.serving.check import run_url_check
 
-    out = run_url_check(args.url, args.model_dir, args.data, args.samples, args.requests, args.concurrency,
-                        500.0 if args.max_p99_ms is None else args.max_p99_ms, prompt=args.prompt,
+    out = run_url_check(args.url, model=args.model_dir, data=args.data, k=args.samples, requests=args.requests,
+                        concurrency=args.concurrency, max_p99_ms=500.0 if args.max_p99_ms is None else args.max_p99_ms,
+                        prompt=args.prompt,
                         max_new_tokens=args.max_new_tokens, timeout_s=args.timeout, out_dir=args.report_dir,
                         log=(lambda *_: None) if args.json else print)
     if args.json:

@@ -352,8 +352,8 @@ class Router:
         return 200, self.traffic()
 
 
-def build(stable_uri: str, stable_version: str, canary_uri: Optional[str] = None, canary_version: Optional[str] = None,
-          canary_fraction: float = 0.0, replicas: int = 1, max_replicas: Optional[int] = None, num_cpus: float = 1,
+def build(stable_uri: str, stable_version: str, *, canary_uri: Optional[str] = None,
+          canary_version: Optional[str] = None, canary_fraction: float = 0.0, replicas: int = 1, max_replicas: Optional[int] = None, num_cpus: float = 1,
           num_gpus: float = 0, max_batch_size: int = 8, batch_wait_timeout_s: float = 0.005):
     """The Serve application: a router and one model deployment per version."""
     scale = ({"autoscaling_config": {"min_replicas": replicas, "max_replicas": max_replicas,
@@ -389,7 +389,9 @@ def app_builder(args: dict):
     gpus = args.get("num_gpus")
     if gpus is None:
         gpus = 1 if ray.is_initialized() and ray.cluster_resources().get("GPU", 0) >= 1 else 0
-    return build(stable.uri, stable.version, canary.uri if canary else None, canary.version if canary else None,
-                 float(args.get("canary_fraction", 0.0)), int(args.get("replicas", 1)), args.get("max_replicas"),
-                 float(args.get("num_cpus", 1)), float(gpus), int(args.get("max_batch_size", 8)),
-                 float(args.get("batch_wait_timeout_s", 0.005)))
+    return build(stable.uri, stable.version, canary_uri=canary.uri if canary else None,
+                 canary_version=canary.version if canary else None,
+                 canary_fraction=float(args.get("canary_fraction", 0.0)), replicas=int(args.get("replicas", 1)),
+                 max_replicas=args.get("max_replicas"), num_cpus=float(args.get("num_cpus", 1)), num_gpus=float(gpus),
+                 max_batch_size=int(args.get("max_batch_size", 8)),
+                 batch_wait_timeout_s=float(args.get("batch_wait_timeout_s", 0.005)))

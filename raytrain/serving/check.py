@@ -103,7 +103,7 @@ def _pct(xs: list[float]) -> dict:
             "p99_ms": float(np.percentile(a, 99))}
 
 
-def run_url_check(url: str, model: Optional[str] = None, data: Optional[str] = None, k: int = 8,
+def run_url_check(url: str, *, model: Optional[str] = None, data: Optional[str] = None, k: int = 8,
                   requests: int = 200, concurrency: int = 8, max_p99_ms: float = 500.0, tol: float = 1e-4,
                   prompt: str = "one two three", max_new_tokens: int = 16, timeout_s: float = 300.0,
                   out_dir: Optional[str] = None, log: Callable[[str], None] = print) -> dict:

@@ -66,8 +66,9 @@ def serve_forever(model: str, port: int = 8000, host: str = "127.0.0.1", version
     try:
         gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
         serve.start(http_options={"host": host, "port": port})
-        app = build(stable.uri, stable.version, can.uri if can else None, can.version if can else None,
-                    canary_fraction, replicas, max_replicas, num_cpus, gpus, max_batch_size)
+        app = build(stable.uri, stable.version, canary_uri=can.uri if can else None,
+                    canary_version=can.version if can else None, canary_fraction=canary_fraction, replicas=replicas,
+                    max_replicas=max_replicas, num_cpus=num_cpus, num_gpus=gpus, max_batch_size=max_batch_size)
         t0 = time.time()
         try:
             serve.run(app, name=APP_NAME, route_prefix="/")
