@@ -53,6 +53,8 @@ def test_workers_get_the_s3_endpoint_and_the_cluster_address(monkeypatch):
     assert forwarded_env(None) == {"AWS_ENDPOINT_URL": "http://127.0.0.1:9000"}
     assert forwarded_env("auto") == {"AWS_ENDPOINT_URL": "http://127.0.0.1:9000"}
     assert forwarded_env("ray://head:10001") == {"AWS_ENDPOINT_URL": "http://127.0.0.1:9000"}
-    assert forwarded_env("10.0.0.1:6379") == {"AWS_ENDPOINT_URL": "http://127.0.0.1:9000", "RAY_ADDRESS": "10.0.0.1:6379"}
-    monkeypatch.setenv("RAY_SUBMISSION_ID", "raysubmit_1")  # inside `ray job submit`: the job's env already applies
-    assert forwarded_env("10.0.0.1:6379") == {}
+    assert forwarded_env("127.0.0.1:6379") == {"AWS_ENDPOINT_URL": "http://127.0.0.1:9000", "RAY_ADDRESS": "127.0.0.1:6379"}
+    # Inside `ray job submit` the job's env already carries the S3 settings; the cluster's address still goes to
+    # the workers (Ray Train's placement-group cleaner warned every second without it, a demo regression).
+    monkeypatch.setenv("RAY_SUBMISSION_ID", "raysubmit_1")
+    assert forwarded_env("127.0.0.1:6379") == {"RAY_ADDRESS": "127.0.0.1:6379"}
