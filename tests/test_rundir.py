@@ -1,0 +1,27 @@
+"""The run directory's one owner: torn JSONL lines never break a reader, appends after a torn line stay lines."""
+
+from raytrain.ckpt.catalog import describe
+from raytrain.export import reported_val
+from raytrain.rundir import ATTEMPTS, METRICS, SUMMARY, RunDir
+from raytrain.worker.interval import run_history
+
+
+def test_a_torn_last_line_is_skipped_by_every_reader(tmp_path):
+    run = RunDir(str(tmp_path))
+    (tmp_path / METRICS).write_text('{"step": 4, "val_loss": 2.0, "val_ppl": 7.4}\n{"step": 5, "loss": 1.9}\n{"step": 6, "lo')
+    assert [r["step"] for r in run.read_jsonl(METRICS)] == [4, 5]
+    assert reported_val(str(tmp_path), 4) == {"val_loss": 2.0, "val_ppl": 7.4}
+    assert describe(str(tmp_path)) == []  # no checkpoints, and the torn metrics line did not raise
+    (tmp_path / ATTEMPTS).write_text('{"attempt": 0, "time": 10.0}\n{"attem')
+    run.append_jsonl(ATTEMPTS, {"attempt": 1, "time": 20.0})  # a new attempt after a killed writer
+    assert [r["attempt"] for r in run.read_jsonl(ATTEMPTS)] == [0, 1]
+    assert run_history(str(tmp_path)) == (10.0, 2)
+
+
+def test_missing_or_torn_json_reads_as_none(tmp_path):
+    run = RunDir(str(tmp_path))
+    assert run.read_json(SUMMARY) is None
+    (tmp_path / SUMMARY).write_text('{"steps": 3')
+    assert run.read_json(SUMMARY) is None
+    run.write_json(SUMMARY, {"steps": 3})
+    assert run.read_json(SUMMARY) == {"steps": 3}
