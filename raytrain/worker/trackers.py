@@ -132,7 +132,8 @@ class WandbBackend:
         import wandb
 
         w = self.section
-        self.run_id = known["run_id"] if known else uuid.uuid4().hex[:8]
+        if self.run_id is None:
+            self.claim(known)
         self.run = wandb.init(project=w.project, entity=w.entity, mode=w.mode, tags=list(w.tags) or None,
                               group=w.group, dir=w.dir, id=self.run_id, resume="allow", name=config["run"]["name"],
                               settings=wandb.Settings(console="off", silent=True, x_disable_stats=True))
@@ -145,6 +146,11 @@ class WandbBackend:
         last = [x for x in (self.run.summary.get("step"), (known or {}).get("logged_through"))
                 if isinstance(x, (int, float))]
         return {"*": int(max(last))} if last else {}
+
+    def claim(self, known: Optional[dict]) -> dict:
+        """The run id, chosen before wandb.init (seconds): an attempt killed meanwhile leaves it for the next."""
+        self.run_id = known["run_id"] if known else uuid.uuid4().hex[:8]
+        return {**self.where(), "logged_through": (known or {}).get("logged_through", -1)}
 
     def where(self) -> dict:
         return {"run_id": self.run_id, "project": self.section.project, "mode": self.section.mode}
@@ -204,6 +210,8 @@ class Tracker:
         finished = False
         try:
             known = self.owner.known.get(self.backend.name)
+            if hasattr(self.backend, "claim"):
+                self.owner.remember(self.backend.name, self.backend.claim(known))
             self.logged = self.backend.open(known, config=self.owner.config, restarts=self.owner.restarts)
             self.through = max(self.logged.values(), default=-1)
             self.owner.remember(self.backend.name, {**self.backend.where(), "logged_through": self.through})
