@@ -203,6 +203,47 @@ class RunSection(Section):
     max_preemptions: int = Field(-1, ge=-1, description="restarts after node preemptions, counted apart from failures; -1: unlimited")
 
 
+MLFLOW_SCHEMES = ("http", "https", "file", "sqlite", "postgresql", "mysql", "mssql", "databricks", "databricks-uc")
+
+
+class WandbSection(Section):
+    """Weights & Biases: rank 0 logs every record into one W&B run per training run. Credentials: `wandb login` / WANDB_API_KEY, never the config."""
+
+    project: Optional[str] = Field(None, min_length=1, description="W&B project; null: no W&B")
+    entity: Optional[str] = Field(None, description="W&B entity (user or team); null: the account's default")
+    mode: Literal["online", "offline"] = Field("online", description="online: to the W&B server; offline: files under WANDB_DIR, for `wandb sync` later")
+    tags: list[str] = Field(default_factory=list, description="tags of the W&B run")
+    group: Optional[str] = Field(None, description="W&B run group (e.g. the sweep or experiment family)")
+    dir: Optional[str] = Field(None, description="local directory for W&B's files on rank 0's node (offline runs live there); null: WANDB_DIR or the working directory")
+
+
+class MlflowSection(Section):
+    """MLflow: rank 0 logs every record into one MLflow run per training run. Credentials: MLFLOW_TRACKING_USERNAME / _PASSWORD / _TOKEN, never the URI."""
+
+    tracking_uri: Optional[str] = Field(None, description="MLflow tracking URI (http://host:port, file:, sqlite:, ...); null: no MLflow")
+    experiment: str = Field("raytrain", min_length=1, description="MLflow experiment the run is logged under (created when missing)")
+
+    @field_validator("tracking_uri")
+    def _well_formed(cls, v: Optional[str]) -> Optional[str]:
+        if v is None:
+            return v
+        from urllib.parse import urlsplit
+
+        u = urlsplit(v)
+        try:
+            port_ok = u.port is None or u.port > 0
+        except ValueError:  # not a number, or past 65535
+            port_ok = False
+        if u.scheme and len(u.scheme) > 1 and u.scheme not in MLFLOW_SCHEMES:  # one letter: a Windows drive
+            raise ValueError(f"not an MLflow tracking URI: use one of {', '.join(MLFLOW_SCHEMES)} (e.g. http://127.0.0.1:5000)")
+        if u.scheme in ("http", "https") and (not u.hostname or not port_ok):
+            raise ValueError("an http(s) tracking URI needs a host and a valid port, e.g. http://127.0.0.1:5000")
+        if u.username or u.password:
+            raise ValueError("credentials do not belong in the URI (it is saved with the config): set "
+                             "MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD instead")
+        return v
+
+
 class MetricsSection(Section):
     """Where each log step's metrics go besides metrics.jsonl (see docs/OBSERVABILITY.md), and the peak used for MFU."""
 
@@ -210,6 +251,10 @@ class MetricsSection(Section):
     tensorboard: bool = Field(False, description="also write TensorBoard event files to <run>/tensorboard/")
     peak_tflops: Optional[float] = Field(None, gt=0.0, description="peak TFLOP/s of one worker's device for MFU; null: the GPU table in worker/telemetry.py, or cpu_peak_tflops on CPU")
     cpu_peak_tflops: Optional[float] = Field(None, gt=0.0, description="peak TFLOP/s of one CPU worker for MFU; null: measured at start-up by a short fp32 matmul probe on the worker's threads, cached per machine in ~/.cache/raytrain/cpu_peak.json")
+    wandb: WandbSection = Field(default_factory=WandbSection, description="Weights & Biases tracker (`pip install raytrain[wandb]`)")
+    mlflow: MlflowSection = Field(default_factory=MlflowSection, description="MLflow tracker (`pip install raytrain[mlflow]`)")
+    on_tracker_failure: Literal["warn", "stop"] = Field("warn", description="a tracker unreachable at start or failing mid-run: one warning line and training goes on (metrics.jsonl stays complete), or stop the run")
+    tracker_timeout_s: float = Field(30.0, gt=0.0, description="the longest the end of an attempt waits for a tracker to send what it still holds")
 
 
 class HealthSection(Section):
@@ -373,15 +418,24 @@ def reference_markdown() -> str:
         cls = field.annotation
         lines += [f"## `{section}`", "", (cls.__doc__ or "").strip(), "", "| key | type | default | meaning |",
                   "| --- | --- | --- | --- |"]
-        for name, f in cls.model_fields.items():
-            ann = str(f.annotation).replace("typing.", "").replace("<class '", "").replace("'>", "")
-            default = f.default_factory() if f.default_factory else f.default
-            lines.append(f"| `{section}.{name}` | `{ann}` | `{json.dumps(default)}` | {f.description or ''} |")
-        lines.append("")
+        lines += _reference_rows(section, cls) + [""]
     lines += ["## Retired keys", "", "Files and saved configs that hold them still load (the key is dropped with a",
               "warning); an override or search-space key naming one is an error.", "", "| key | why |", "| --- | --- |"]
     lines += [f"| `{k}` | {why} |" for k, why in RETIRED.items()] + [""]
     return "\n".join(lines)
+
+
+def _reference_rows(prefix: str, cls: type[BaseModel]) -> list[str]:
+    """One table row per key of a section; a nested section (metrics.wandb) gives one row per key of its own."""
+    rows = []
+    for name, f in cls.model_fields.items():
+        if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel):
+            rows += _reference_rows(f"{prefix}.{name}", f.annotation)
+            continue
+        ann = str(f.annotation).replace("typing.", "").replace("<class '", "").replace("'>", "")
+        default = f.default_factory() if f.default_factory else f.default
+        rows.append(f"| `{prefix}.{name}` | `{ann}` | `{json.dumps(default)}` | {f.description or ''} |")
+    return rows
 
 
 def resolve_recipe(name_or_path: str) -> Path:
@@ -481,7 +535,8 @@ def format_error(err: ValidationError, root: type[BaseModel] = None, what: str =
         elif e["type"] == "literal_error":
             msgs.append(f"{what} key {key!r}: {e['msg'].lower()}, got {e.get('input')!r}")
         elif key:
-            msgs.append(f"{what} key {key!r}: {e['msg'].lower().removeprefix('value error, ')} (got {e.get('input')!r})")
+            msg = e["msg"].removeprefix("Value error, ")  # ours: sentence case; keep the case of the names inside
+            msgs.append(f"{what} key {key!r}: {msg[:1].lower() + msg[1:]} (got {e.get('input')!r})")
         else:
             msgs.append(f"{what}: {e['msg'].removeprefix('Value error, ')}")
     return "; ".join(msgs)

@@ -41,6 +41,8 @@ COMM_FAILURE = _file("comm_failure.txt", "the newest communication-failure diagn
 NODES = _file("nodes.json", "node time by market and lost nodes, for `raytrain cost`", "driver")
 RESUME_MARKER = _file("resume_from.json", "`raytrain ckpt rollback`: the step the next resume starts from",
                       "`raytrain ckpt rollback`")
+TRACKERS = _file("trackers.json", "the experiment-tracker runs (W&B, MLflow) every attempt and resubmission logs "
+                  "into: run ids and where, never credentials", "rank 0's tracker threads")
 TAGS = _file("tags", "one <tag>.json per tagged checkpoint (its step and config)", "`raytrain ckpt tag`", directory=True)
 TENSORBOARD = _file("tensorboard", "TensorBoard event files", "rank 0", directory=True)
 REPORT_PNG = _file("report.png", "loss, perplexity and throughput plots", "`raytrain report`")

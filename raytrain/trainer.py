@@ -170,10 +170,12 @@ def train(cfg: Config, log: Callable[[str], None] = print, inject: Optional[dict
 
     from raytrain.model import apply_init_from
     from raytrain.worker.loop import train_loop_per_worker
+    from raytrain.worker.trackers import check_installed as check_trackers
 
     cfg = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(
         update={"storage": storage.absolute(cfg.checkpoint.storage)})})
     train_split, val_split = check_inputs(cfg)
+    check_trackers(cfg)  # a tracker's library missing: one line now, not a warning from every worker later
     cfg = apply_init_from(cfg, train_split.tokenizer_uri, log)  # fine-tuning: shape from the model dir
     storage.check_writable(cfg.run_uri)
     cfg = check_resume_compatible(cfg)

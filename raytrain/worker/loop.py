@@ -35,6 +35,7 @@ from raytrain.worker.interval import cadence_for, run_history
 from raytrain.worker.preemption import PreemptionNotice
 from raytrain.worker.runlog import Attempt, RunLog, progress_every, say
 from raytrain.worker.telemetry import Telemetry, Window, oom_guard
+from raytrain.worker.trackers import Trackers
 from raytrain.worker.verdict import StepAgreement, StepVerdict
 
 
@@ -80,7 +81,8 @@ class WorkerRun:
         self.evaluate = Evaluator(cfg.data, split=val_split, micro_batch=cfg.batch.micro_batch_size, rank=dp_rank,
                                   world=self.dp_size, device=device) if val_split else None
         self.log = RunLog(cfg.run_uri, cfg.run.max_steps, self.state.step, enabled=rank == 0,
-                          progress_every=progress_every(cfg.run.progress_every, cfg.run.log_every, cfg.run.max_steps))
+                          progress_every=progress_every(cfg.run.progress_every, cfg.run.log_every, cfg.run.max_steps),
+                          trackers=Trackers(cfg, enabled=rank == 0, restarts=self.state.restarts, log=say))
         # The checkpoint this attempt resumed from is never pruned while it runs.
         self.writer = CheckpointWriter(cfg.checkpoint, run_uri=cfg.run_uri, rank=rank, world=world,
                                        protect=(f"{cfg.run_uri}/{self.resumed_from}",) if resumed else ())

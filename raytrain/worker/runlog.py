@@ -79,8 +79,10 @@ def progress_line(rec: dict, max_steps: int, start_step: int, elapsed: float, tt
 
 
 class RunLog:
-    def __init__(self, run_uri: str, max_steps: int, resumed_step: int, enabled: bool, progress_every: int = 1):
+    def __init__(self, run_uri: str, max_steps: int, resumed_step: int, enabled: bool, progress_every: int = 1,
+                 *, trackers=None):
         self.run_uri, self.max_steps, self.enabled = run_uri, max_steps, enabled
+        self.trackers = trackers  # W&B / MLflow (worker/trackers.py): every record written here goes there too
         self.progress_every = progress_every
         self.checkpoint: Optional[str] = None  # the newest checkpoint saved, named on the progress line
         self.remote = storage.is_remote(run_uri)
@@ -94,6 +96,8 @@ class RunLog:
         with open(self._local, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in self.history)
         self.sync()
+        for r in self.history if trackers is not None else ():
+            trackers.write(r)  # what a killed attempt wrote but had not sent yet (the trackers skip what they hold)
 
     def write(self, rec: dict, sync: Optional[bool] = None) -> None:
         if not self.enabled:
@@ -103,6 +107,8 @@ class RunLog:
         self.history.append(rec)
         with open(self._local, "a") as f:
             f.write(json.dumps(rec) + "\n")
+        if self.trackers is not None:
+            self.trackers.write(rec)
         if sync or (sync is None and not self.remote):
             self.sync()
 
@@ -156,6 +162,8 @@ class RunLog:
             "mfu": self.last("mfu"),
             **extra,  # health: rollbacks, violations per rule; data counters
         }
+        if self.trackers is not None and self.trackers.trackers:
+            summary["trackers"] = self.trackers.close(finished=True)
         self.sync()
         RunDir(cfg.run_uri).write_json(SUMMARY, summary)
 
