@@ -79,3 +79,26 @@ def ensure_prometheus() -> tuple[str, str]:
     if not (prom and tool):
         pytest.skip(f"apt-get install prometheus failed: {(out.stderr or out.stdout).strip().splitlines()[-1:]}")
     return prom, tool
+
+
+MLFLOW_SERVER = "mlflow==3.17.2"  # full mlflow pins pyarrow<26; raytrain needs >=26, so its server lives apart
+
+
+def mlflow_server_exe() -> str:
+    """The `mlflow` command of a venv of its own under .venv/tools/ (made on first use, ~1-2 min, then reused):
+    a real tracking server for the tests, whose pins need not agree with raytrain's. Skips with the reason
+    when it cannot be installed."""
+    root = Path(__file__).resolve().parent.parent / ".venv" / "tools" / "mlflow"
+    exe = root / "bin" / "mlflow"
+    if exe.exists():
+        return str(exe)
+    try:
+        subprocess.run([sys.executable, "-m", "venv", str(root)], check=True, capture_output=True, timeout=120)
+        subprocess.run([str(root / "bin" / "python"), "-m", "pip", "install", "-q", MLFLOW_SERVER], check=True,
+                       capture_output=True, text=True, timeout=900)
+    except (subprocess.SubprocessError, OSError) as e:
+        shutil.rmtree(root, ignore_errors=True)
+        detail = (getattr(e, "stderr", None) or str(e)).strip().splitlines()[-1:]
+        pytest.skip(f"could not install an MLflow server ({MLFLOW_SERVER}) into {root}: {detail}")
+    return str(exe)
+
