@@ -194,7 +194,8 @@ class UrlCheck:
                     f"{len(events) if status == 200 else 0} events, text {'equal to' if streamed == text else 'unlike'} "
                     "the unstreamed one")
         status, res, dt = self.client.request("POST", "/v1/chat/completions", {
-            "model": self.stable, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_new_tokens})
+            # A few tokens: the rendered conversation is longer than the prompt, and must fit small contexts too.
+            "model": self.stable, "messages": [{"role": "user", "content": prompt}], "max_tokens": 4})
         msg = res["choices"][0]["message"] if status == 200 else {}
         self.record("chat", status == 200 and msg.get("role") == "assistant" and isinstance(msg.get("content"), str),
                     f"POST /v1/chat/completions -> {status} in {dt * 1e3:.0f} ms: {msg.get('content', res)!r}")
@@ -223,7 +224,7 @@ class UrlCheck:
             return [], None
         worst, bad = 0.0, []
         wants = [offline_logprobs(offline, tok, text) for text in texts]
-        served = [self.echoed(stable, text) for text in texts] + (self.echoed(stable, texts) if texts else [])
+        served = [self.echoed(stable, text)[0] for text in texts] + (self.echoed(stable, texts) if texts else [])
         for (status, got, err), want in zip(served, wants + wants):
             if got is None or len(got) != len(want):
                 bad.append(f"{status} {err} ({len(got or [])} vs {len(want)} tokens)")
