@@ -6,7 +6,8 @@ from raytrain.errors import UserError
 
 
 def add_parser(subparsers):
-    sv = subparsers.add_parser("serve", help="serve a model over HTTP on Ray Serve (POST /predict, /v1/completions); "
+    sv = subparsers.add_parser("serve", help="serve a model over HTTP on Ray Serve (POST /predict, OpenAI's /v1/completions and "
+                               "/v1/chat/completions); "
                                "`serve promote|rollback|split --url URL` moves traffic between versions")
     sv.add_argument("model", help="exported model directory (local or s3://), a run directory (its newest complete "
                     "checkpoint, exported on the fly), RUN@TAG (a tagged version), or promote / rollback / split")

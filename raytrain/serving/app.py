@@ -1,6 +1,7 @@
 """The Ray Serve application of `raytrain serve` (replica side).
 
-A `Router` ingress parses HTTP, answers bad input with a 4xx and a one-line reason, splits traffic
+A `Router` ingress parses HTTP (the OpenAI endpoints through `openai_api`), answers bad input with a 4xx
+and a one-line reason (an OpenAI error object on /v1/*), splits traffic
 between a stable and an optional canary version, and records per-version metrics; one `ModelServer`
 deployment per version holds the model and batches requests (`@serve.batch`). Both versions stay up
 while traffic moves between them, so a canary change, a promotion or a rollback never fails a request.
@@ -38,7 +39,8 @@ SERVING_METRICS = {"model_requests_total", "model_request_latency_ms", "model_ge
 
 @serve.deployment(ray_actor_options={"num_cpus": 1}, max_ongoing_requests=64)
 class ModelServer:
-    """One version of the model: log-probabilities of the input and a continuation, batched."""
+    """One version of the model: a continuation and log-probabilities (top-k on request) of prompt and
+    continuation, batched across requests."""
 
     def __init__(self, uri: str, version: str, max_batch_size: int = 8, batch_wait_timeout_s: float = 0.005, *,
                  chat_template: str = "default"):
