@@ -24,6 +24,7 @@ from raytrain.ckpt import catalog
 from raytrain.ckpt.layout import CONFIG, ENGINE_TAG, timestamp
 from raytrain.config import Config
 from raytrain.errors import UserError
+from raytrain.serving.openai_api import DEFAULT_CHAT_TEMPLATE
 
 EXPORT_META = "raytrain_export.json"
 
@@ -176,7 +177,9 @@ def export(ckpt_uri: str, out_uri: str, tokenizer: Optional[str] = None, force: 
     with tempfile.TemporaryDirectory(prefix="raytrain-export-") as d:
         ck.model.config.use_cache = True  # training turned the KV cache off; generation wants it
         ck.model.save_pretrained(d)
-        hf_tokenizer(ck.tokenizer_uri, ck.cfg.model.seq_len, ck.eot_id).save_pretrained(d)
+        tok = hf_tokenizer(ck.tokenizer_uri, ck.cfg.model.seq_len, ck.eot_id)
+        tok.chat_template = DEFAULT_CHAT_TEMPLATE  # so /v1/chat/completions and offline chat render alike
+        tok.save_pretrained(d)
         GenerationConfig(bos_token_id=ck.eot_id, eos_token_id=ck.eot_id, pad_token_id=ck.eot_id).save_pretrained(d)
         meta = {"source_checkpoint": ck.uri, "step": ck.step, "params": n_params, "family": ck.cfg.model.family,
                 "zero_stage": ck.cfg.deepspeed.zero_stage, "seq_len": ck.cfg.model.seq_len,

@@ -111,6 +111,41 @@ def test_cluster_serve_config_matches_serves_schema_and_the_app_builder():
         app_builder({"modle": "s3://b/run"})
 
 
+def test_openai_api_parses_shapes_and_streams_without_a_server():
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from raytrain.serving import openai_api
+    from raytrain.serving.fields import RequestError
+
+    p = openai_api.parse_completion({"prompt": ["a b", [5, 6]], "n": 2, "seed": 4, "echo": True, "logprobs": 1,
+                                     "stop": "x", "max_tokens": 0})
+    reqs = p.requests()
+    assert [("text" in r, r.get("ids"), r["seed"], r["stop"]) for r in reqs] == [
+        (True, None, 4, ["x"]), (True, None, 5, ["x"]), (False, [5, 6], 4, ["x"]), (False, [5, 6], 5, ["x"])]
+    result = {"prompt_pieces": ["a", " b"], "prompt_lp": [-1.0], "prompt_top": [{" b": -1.0}], "gen_pieces": ["c", "d"],
+              "gen_lp": [-0.5, -0.25], "gen_top": [{"c": -0.5}, {"d": -0.25}], "continuation": "cd",
+              "finish_reason": "length", "prompt_tokens": 2, "completion_tokens": 2}
+    out = openai_api.response(p, [result] * 4, "v1")
+    lp = out["choices"][0]["logprobs"]
+    assert out["choices"][0]["text"] == "a bcd" and lp["token_logprobs"] == [None, -1.0, -0.5, -0.25]
+    assert lp["text_offset"] == [0, 1, 3, 4] and lp["top_logprobs"][0] is None
+    assert out["usage"] == {"prompt_tokens": 4, "completion_tokens": 8, "total_tokens": 12}  # prompts once each
+    p.stream = True
+    events = list(openai_api.chunks(p, [result] * 4, "v1"))
+    assert "".join(e["choices"][0]["text"] for e in events if e["choices"][0]["index"] == 0) == "a bcd"
+    assert events[2]["choices"][0]["logprobs"]["text_offset"] == [4]
+    assert list(openai_api.sse(iter([])))[-1] == "data: [DONE]\n\n"
+    with pytest.raises(RequestError, match="'n' must be an integer in \\[1, 16\\]") as e:
+        openai_api.parse_completion({"prompt": "a", "n": 0})
+    assert e.value.param == "n" and openai_api.error_body(422, "m", "n")["error"]["type"] == "invalid_request_error"
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]")))
+    msgs = [{"role": "user", "content": "hi"}]
+    assert openai_api.render_chat(tok, msgs, fallback=openai_api.DEFAULT_CHAT_TEMPLATE) == "user: hi\nassistant:"
+    with pytest.raises(RequestError, match="no chat template and the server was started with --chat-template none"):
+        openai_api.render_chat(tok, msgs, fallback=None)
+
+
 @pytest.mark.slow
 def test_curl_predict_answers_with_input_logprobs(server):
     text = "one two three four"
@@ -157,6 +192,7 @@ def test_check_url_passes_with_consistent_logprobs(server, tmp_path, capsys):
     assert rc == 0, out["checks"]
     checks = {c["name"]: c for c in out["checks"]}
     assert checks["consistency"]["ok"] and out["consistency_max_abs_diff"] <= 1e-4
+    assert all(checks[c]["ok"] for c in ("echo", "stream", "chat")) and "as one list" in checks["consistency"]["detail"]
     assert "held-out" not in checks["consistency"]["detail"] and "/val" in checks["consistency"]["detail"]
     assert out["load"]["errors"] == 0 and out["load"]["ok"] == 40
     assert out["load"]["p50_ms"] <= out["load"]["p99_ms"] and out["cold_ms"] > 0
@@ -186,7 +222,7 @@ def test_bad_input_gets_a_4xx_and_the_server_keeps_serving(server):
         status, ok = _post(url, "/predict", {"text": "one two"})
         assert status == 200 and ok["continuation"] is not None, (name, ok)
     status, out = _post(url, "/v1/completions", {"prompt": "one", "max_tokens": -1})
-    assert status == 422 and "max_tokens" in out["error"]
+    assert status == 422 and "max_tokens" in out["error"]["message"]  # /v1/* errors are OpenAI error objects
     status, out = _get(url, "/nowhere")
     assert status == 404
     from ray._private.authentication.authentication_utils import is_token_auth_enabled
@@ -213,6 +249,132 @@ def test_bad_input_gets_a_4xx_and_the_server_keeps_serving(server):
         time.sleep(1)
         lines = exported()
     assert complete(lines), lines
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=server["url"] + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _offline(server):
+    """The stable version's exported model and tokenizer, loaded as `raytrain eval` loads them."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _, models = _get(server["url"], "/v1/models")
+    src = {m["id"]: m for m in models["data"]}[STABLE]["source"]
+    return AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(src)
+
+
+@pytest.mark.slow
+def test_openai_client_completions_echo_logprobs_equal_offline(server, client):
+    from raytrain.serving.check import offline_logprobs
+
+    model, tok = _offline(server)
+    texts = ["one two three four", "five six seven", "eight nine ten eleven twelve"]
+    single = client.completions.create(model=STABLE, prompt=texts[0], max_tokens=0, echo=True, logprobs=2)
+    listed = client.completions.create(model=STABLE, prompt=texts, max_tokens=0, echo=True, logprobs=2)
+    ids = client.completions.create(model=STABLE, prompt=[tok(t)["input_ids"] for t in texts[:2]], max_tokens=0,
+                                    echo=True, logprobs=0)
+    assert [c.text for c in listed.choices] == texts and single.choices[0].text == texts[0]
+    assert [c.text for c in ids.choices] == texts[:2]
+    for resp, want in ((single, texts[:1]), (listed, texts), (ids, texts[:2])):
+        for c, text in zip(resp.choices, want):
+            lp = c.logprobs
+            assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and "".join(lp.tokens) == text
+            assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+            offline = offline_logprobs(model, tok, text)
+            assert len(lp.token_logprobs) - 1 == len(offline)
+            assert max(abs(a - b) for a, b in zip(lp.token_logprobs[1:], offline)) <= 1e-4
+            assert all(d[t] == pytest.approx(v, abs=1e-6) and v <= max(d.values()) + 1e-6  # the chosen is in
+                       for t, v, d in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]))
+    assert all(1 <= len(d) <= 3 for d in listed.choices[0].logprobs.top_logprobs[1:])  # top 2 plus the chosen
+    assert listed.usage.prompt_tokens == sum(len(tok(t)["input_ids"]) for t in texts)
+    assert listed.usage.completion_tokens == 0
+
+
+@pytest.mark.slow
+def test_openai_client_completions_plain_stop_n_and_generated_logprobs(server, client):
+    plain = client.completions.create(model=STABLE, prompt="one two three", max_tokens=6, temperature=0)
+    c = plain.choices[0]
+    assert plain.object == "text_completion" and plain.model == STABLE and c.finish_reason in ("stop", "length")
+    assert plain.usage.total_tokens == plain.usage.prompt_tokens + plain.usage.completion_tokens
+    with_lp = client.completions.create(model=STABLE, prompt="one two three", max_tokens=6, temperature=0, logprobs=1)
+    assert with_lp.choices[0].text == c.text and "".join(with_lp.choices[0].logprobs.tokens) == c.text
+    assert all(lp is not None and lp <= 0 for lp in with_lp.choices[0].logprobs.token_logprobs)
+    assert len(c.text.strip()) >= 3, c.text  # the trained tiny model continues its counting text
+    stop = c.text.strip()[1:3]  # a stop string taken from the greedy text: cut there, not returned
+    cut = client.completions.create(model=STABLE, prompt="one two three", max_tokens=6, temperature=0,
+                                    stop=[stop, "\u2603"])
+    assert cut.choices[0].text == c.text[:c.text.index(stop)] and cut.choices[0].finish_reason == "stop"
+    assert cut.usage.completion_tokens <= plain.usage.completion_tokens
+    two = client.completions.create(model=STABLE, prompt=["one two", "three four"], max_tokens=4, n=2,
+                                    temperature=0.9, top_p=0.9, seed=3)
+    assert [ch.index for ch in two.choices] == [0, 1, 2, 3] and all(isinstance(ch.text, str) for ch in two.choices)
+    again = client.completions.create(model=STABLE, prompt=["one two", "three four"], max_tokens=4, n=2,
+                                      temperature=0.9, top_p=0.9, seed=3)
+    assert [ch.text for ch in again.choices] == [ch.text for ch in two.choices]
+
+
+@pytest.mark.slow
+def test_openai_client_streams_concatenate_to_the_unstreamed_text(server, client):
+    args = {"model": STABLE, "prompt": "two three four", "max_tokens": 8, "temperature": 0.8, "seed": 11}
+    whole = client.completions.create(**args).choices[0]
+    parts = list(client.completions.create(**args, stream=True))
+    assert "".join(p.choices[0].text for p in parts) == whole.text
+    assert parts[-1].choices[0].finish_reason == whole.finish_reason
+    chat_args = {"model": STABLE, "messages": [{"role": "user", "content": "one two"}], "max_completion_tokens": 6,
+                 "temperature": 0.7, "seed": 5}
+    chat = client.chat.completions.create(**chat_args)
+    msg = chat.choices[0].message
+    assert chat.object == "chat.completion" and msg.role == "assistant" and isinstance(msg.content, str)
+    assert chat.choices[0].finish_reason in ("stop", "length") and 1 <= chat.usage.completion_tokens <= 6
+    deltas = list(client.chat.completions.create(**chat_args, stream=True))
+    assert deltas[0].choices[0].delta.role == "assistant"
+    assert "".join(d.choices[0].delta.content or "" for d in deltas) == msg.content
+    assert deltas[-1].choices[0].finish_reason == chat.choices[0].finish_reason
+    raw = urllib.request.urlopen(urllib.request.Request(
+        server["url"] + "/v1/completions", data=json.dumps({**args, "stream": True}).encode(),
+        headers={"Content-Type": "application/json"}), timeout=60)
+    assert raw.headers["content-type"].startswith("text/event-stream")
+    assert raw.read().decode().rstrip().endswith("data: [DONE]")
+    # The exported model carries raytrain's chat template: the prompt is the rendered conversation.
+    _, tok = _offline(server)
+    n = len(tok(tok.apply_chat_template(chat_args["messages"], tokenize=False, add_generation_prompt=True))["input_ids"])
+    assert chat.usage.prompt_tokens == n and "assistant:" in tok.chat_template
+
+
+@pytest.mark.slow
+def test_openai_bad_input_is_an_openai_error_and_the_next_request_is_answered(server, client):
+    import openai
+
+    bad = [
+        ("completions", {"prompt": ""}, "prompt"),
+        ("completions", {"prompt": [[1, "x"]]}, "prompt"),
+        ("completions", {"prompt": "one", "max_tokens": -1}, "max_tokens"),
+        ("completions", {"prompt": "one", "logprobs": 99}, "logprobs"),
+        ("completions", {"prompt": "one", "stop": 5}, "stop"),
+        ("completions", {"prompt": "one", "n": 0}, "n"),
+        ("completions", {"prompt": "one", "temperature": "hot"}, "temperature"),
+        ("completions", {"prompt": [[99999]]}, "prompt"),
+        ("completions", {"prompt": "one", "model": "v9"}, None),
+        ("chat", {"messages": []}, "messages"),
+        ("chat", {"messages": [{"role": "robot", "content": "hi"}]}, "messages"),
+        ("completions", {"prompt": " ".join(["one two three"] * 20)}, None),
+    ]
+    for kind, body, param in bad:
+        create = client.completions.create if kind == "completions" else client.chat.completions.create
+        body = {"model": STABLE, **body} if "model" not in body else body
+        with pytest.raises(openai.APIStatusError) as e:
+            create(**body)
+        err = e.value.response.json()["error"]
+        assert 400 <= e.value.status_code < 500 and set(err) == {"message", "type", "param", "code"}, (body, err)
+        assert err["code"] == e.value.status_code and err["param"] == param and "\n" not in err["message"], (body, err)
+        ok = client.completions.create(model=STABLE, prompt="one two", max_tokens=2, temperature=0)
+        assert ok.choices[0].finish_reason in ("stop", "length"), body
+    status, out = _post(server["url"], "/v1/completions", b'{"prompt": "one', "application/json")
+    assert status == 400 and "not valid JSON" in out["error"]["message"]
 
 
 @pytest.mark.slow

@@ -6,7 +6,8 @@ from raytrain.errors import UserError
 
 
 def add_parser(subparsers):
-    sv = subparsers.add_parser("serve", help="serve a model over HTTP on Ray Serve (POST /predict, /v1/completions); "
+    sv = subparsers.add_parser("serve", help="serve a model over HTTP on Ray Serve (POST /predict, OpenAI's /v1/completions and "
+                               "/v1/chat/completions); "
                                "`serve promote|rollback|split --url URL` moves traffic between versions")
     sv.add_argument("model", help="exported model directory (local or s3://), a run directory (its newest complete "
                     "checkpoint, exported on the fly), RUN@TAG (a tagged version), or promote / rollback / split")
@@ -23,6 +24,8 @@ def add_parser(subparsers):
     sv.add_argument("--max-replicas", type=int, default=None, help="autoscale up to this many replicas per version")
     sv.add_argument("--cpus-per-replica", type=float, default=1)
     sv.add_argument("--max-batch-size", type=int, default=8, help="Serve dynamic batching: requests per batch")
+    sv.add_argument("--chat-template", choices=("default", "none"), default="default", help="for models without a "
+                    "chat template: raytrain's default (README) or none (/v1/chat/completions answers 400)")
     sv.add_argument("--metrics-port", type=int, default=None, help="local Ray only: Prometheus metrics on this port")
     sv.add_argument("--ready-file", default=None, help="write {url, stable, canary} here once serving (for scripts)")
     return sv
@@ -41,4 +44,5 @@ def run(args) -> int:
     return serve_forever(args.model, port=args.port, host=args.host, version=args.version, canary=args.canary,
                          canary_version=args.canary_version, canary_fraction=args.canary_fraction or 0.0,
                          replicas=args.replicas, max_replicas=args.max_replicas, num_cpus=args.cpus_per_replica,
-                         max_batch_size=args.max_batch_size, metrics_port=args.metrics_port, ready_file=args.ready_file)
+                         max_batch_size=args.max_batch_size, chat_template=args.chat_template,
+                         metrics_port=args.metrics_port, ready_file=args.ready_file)

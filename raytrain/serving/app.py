@@ -1,6 +1,7 @@
 """The Ray Serve application of `raytrain serve` (replica side).
 
-A `Router` ingress parses HTTP, answers bad input with a 4xx and a one-line reason, splits traffic
+A `Router` ingress parses HTTP (the OpenAI endpoints through `openai_api`), answers bad input with a 4xx
+and a one-line reason (an OpenAI error object on /v1/*), splits traffic
 between a stable and an optional canary version, and records per-version metrics; one `ModelServer`
 deployment per version holds the model and batches requests (`@serve.batch`). Both versions stay up
 while traffic moves between them, so a canary change, a promotion or a rollback never fails a request.
@@ -16,26 +17,21 @@ import json
 import os
 import random
 import time
-import uuid
 from typing import Any, Optional
 
 from ray import serve
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from raytrain.serving import openai_api
+from raytrain.serving.fields import RequestError, int_field
 
 APP_NAME = "raytrain"
-DEFAULT_NEW_TOKENS = 16
+DEFAULT_NEW_TOKENS = openai_api.DEFAULT_NEW_TOKENS
 LATENCY_BOUNDARIES_MS = [5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000]
 # The serving series as Prometheus sees them once observability/prometheus.yml strips Ray's `ray_` prefix.
+ENDPOINTS = ("/predict", "/v1/completions", "/v1/chat/completions", "/v1/models", "/healthz")
 SERVING_METRICS = {"model_requests_total", "model_request_latency_ms", "model_generated_tokens_total"}
-
-
-class RequestError(Exception):
-    """A client mistake: answered with `status` and the one-line `reason`."""
-
-    def __init__(self, status: int, reason: str):
-        super().__init__(reason)
-        self.status, self.reason = status, reason
 
 
 # --- model replicas -----------------------------------------------------------------------------------
@@ -43,9 +39,11 @@ class RequestError(Exception):
 
 @serve.deployment(ray_actor_options={"num_cpus": 1}, max_ongoing_requests=64)
 class ModelServer:
-    """One version of the model: log-probabilities of the input and a continuation, batched."""
+    """One version of the model: a continuation and log-probabilities (top-k on request) of prompt and
+    continuation, batched across requests."""
 
-    def __init__(self, uri: str, version: str, max_batch_size: int = 8, batch_wait_timeout_s: float = 0.005):
+    def __init__(self, uri: str, version: str, max_batch_size: int = 8, batch_wait_timeout_s: float = 0.005, *,
+                 chat_template: str = "default"):
         import ray
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -66,8 +64,9 @@ class ModelServer:
         self.info_ = {"id": version, "version": version, "params": param_count(self.model), "step": meta.get("step"),
                       "source": uri, "source_checkpoint": meta.get("source_checkpoint"), "context": self.context,
                       "device": self.device}
-        self.version = version
+        self.version, self.chat_template = version, chat_template
         self.served = 0
+        self.token_text: dict[int, str] = {}
         self.handle_batch.set_max_batch_size(max_batch_size)
         self.handle_batch.set_batch_wait_timeout_s(batch_wait_timeout_s)
 
@@ -85,48 +84,83 @@ class ModelServer:
     def _run(self, reqs: list[dict]) -> list[dict]:
         import torch
 
-        out: list[dict] = []
-        ids = []
-        for r in reqs:
-            enc = self.tok(r["text"])["input_ids"]
-            n, new = len(enc), int(r.get("max_new_tokens", DEFAULT_NEW_TOKENS))
-            if n == 0:
-                out.append({"status": 422, "error": "the text has no tokens; send some text"})
-            elif n + new > self.context:
-                out.append({"status": 413, "error": f"input of {n} tokens + {new} new tokens exceeds the model's "
-                            f"context of {self.context} tokens; shorten the text or ask for fewer tokens"})
-            else:
-                out.append({})
-            ids.append(enc)
-        ok = [i for i, o in enumerate(out) if not o]
+        out = [self._prepare(r) for r in reqs]
+        ok = [i for i, o in enumerate(out) if "error" not in o]
         with torch.no_grad():
-            scored = [i for i in ok if reqs[i].get("logprobs")]
-            if scored:
-                for i, lp in zip(scored, self._logprobs([ids[i] for i in scored])):
-                    out[i]["logprobs"] = lp
-                    out[i]["tokens"] = self.tok.convert_ids_to_tokens(ids[i])
             greedy: dict[int, list[int]] = {}
             for i in ok:
                 new = int(reqs[i].get("max_new_tokens", DEFAULT_NEW_TOKENS))
                 if new and float(reqs[i].get("temperature", 0.0)) == 0:
                     greedy.setdefault(new, []).append(i)
                 else:
-                    out[i].update(self._generate(ids[i], reqs[i]))
+                    out[i].update(self._generate(out[i]["ids"], reqs[i]))
             for new, group in greedy.items():
-                for i, res in zip(group, self._greedy([ids[i] for i in group], new)):
-                    out[i].update(res)
-        for i, o in enumerate(out):
+                gens = self._greedy([out[i]["ids"] for i in group], new)
+                for i, g in zip(group, gens):
+                    out[i].update(self._finish(g, new, reqs[i].get("stop") or []))
+            # One padded forward for every request that wants log-probabilities: the echoed prompt and the
+            # generated tokens are scored together, batched across requests.
+            scored = [i for i in ok if reqs[i].get("logprobs") or reqs[i].get("top_logprobs") is not None]
+            if scored:
+                self._score([reqs[i] for i in scored], [out[i] for i in scored])
+        for o in out:
             o["version"] = self.version
             if "error" not in o:
-                o.update(status=200, prompt_tokens=len(ids[i]), cold=self.served == 0)
+                ids = o.pop("ids")
+                o.update(status=200, prompt_tokens=len(ids), cold=self.served == 0)
                 self.served += 1
         return out
 
-    def _logprobs(self, seqs: list[list[int]]) -> list[list[float]]:
-        """log p(token_i | tokens_<i) for i >= 1, one padded forward for the whole batch (right padding:
-        causal attention keeps the padding out of every real position)."""
+    def _prepare(self, r: dict) -> dict:
+        """The prompt's token ids (text, ids, or chat messages through the template), or the error to answer."""
+        from raytrain.serving.fields import RequestError
+        from raytrain.serving.openai_api import DEFAULT_CHAT_TEMPLATE, render_chat
+
+        try:
+            if "messages" in r:
+                fallback = None if self.chat_template == "none" else DEFAULT_CHAT_TEMPLATE
+                ids = self.tok(render_chat(self.tok, r["messages"], fallback=fallback))["input_ids"]
+            else:
+                ids = list(r["ids"]) if "ids" in r else self.tok(r["text"])["input_ids"]
+        except RequestError as e:
+            return {"status": e.status, "error": e.reason, "param": e.param}
+        n, new = len(ids), int(r.get("max_new_tokens", DEFAULT_NEW_TOKENS))
+        vocab = self.model.config.vocab_size
+        if n == 0:
+            return {"status": 422, "error": "the text has no tokens; send some text"}
+        if any(not 0 <= t < vocab for t in ids):
+            return {"status": 422, "error": f"a token id is outside the vocabulary [0, {vocab}); send ids this "
+                    "model's tokenizer made", "param": "prompt"}
+        if n + new > self.context:
+            return {"status": 413, "error": f"input of {n} tokens + {new} new tokens exceeds the model's "
+                    f"context of {self.context} tokens; shorten the text or ask for fewer tokens"}
+        out = {"ids": ids}
+        if r.get("echo"):
+            out["prompt_pieces"] = self._pieces(ids)
+        return out
+
+    def _pieces(self, ids: list[int]) -> list[str]:
+        """Each token's share of the decoded text (a short window of context, so a character split across
+        tokens lands whole in one piece); the pieces concatenate to the text."""
+        pieces = []
+        for i in range(len(ids)):
+            s = max(0, i - 6)
+            before = self.tok.decode(ids[s:i])
+            pieces.append(self.tok.decode(ids[s:i + 1])[len(before):])
+        return pieces
+
+    def _token_text(self, i: int) -> str:
+        if i not in self.token_text:
+            self.token_text[i] = self.tok.decode([i])
+        return self.token_text[i]
+
+    def _score(self, reqs: list[dict], outs: list[dict]) -> None:
+        """log p(token_i | tokens_<i) for i >= 1 of prompt + continuation, one padded forward for the batch
+        (right padding: causal attention keeps the padding out of every real position); with `top_logprobs`
+        k, the k likeliest tokens at each position too (plus the chosen one, as OpenAI answers)."""
         import torch
 
+        seqs = [o["ids"] + (o.get("gen_ids", []) if r.get("top_logprobs") is not None else []) for r, o in zip(reqs, outs)]
         longest = max(len(s) for s in seqs)
         x = torch.zeros(len(seqs), longest, dtype=torch.long)
         mask = torch.zeros_like(x)
@@ -134,17 +168,50 @@ class ModelServer:
             x[j, :len(s)] = torch.tensor(s)
             mask[j, :len(s)] = 1
         logits = self.model(input_ids=x.to(self.device), attention_mask=mask.to(self.device)).logits.float()
-        lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, x[:, 1:, None].to(self.device))[..., 0].cpu()
-        return [lp[j, :len(s) - 1].tolist() for j, s in enumerate(seqs)]
+        full = torch.log_softmax(logits[:, :-1], dim=-1)
+        lp = full.gather(-1, x[:, 1:, None].to(self.device))[..., 0].cpu()
+        k = max([r.get("top_logprobs") or 0 for r in reqs])
+        top = full.topk(k, dim=-1) if k else None
+        for j, (r, o, s) in enumerate(zip(reqs, outs, seqs)):
+            lps, n = lp[j, :len(s) - 1].tolist(), len(o["ids"])
+            if r.get("logprobs"):  # /predict
+                o["logprobs"], o["tokens"] = lps[:n - 1], self.tok.convert_ids_to_tokens(o["ids"])
+            kj = r.get("top_logprobs")
+            if kj is None:
+                continue
+            tops = []
+            for pos in range(len(s) - 1):
+                d = {self._token_text(s[pos + 1]): lps[pos]}
+                if kj:
+                    vals, idx = top.values[j, pos, :kj].tolist(), top.indices[j, pos, :kj].tolist()
+                    d.update({self._token_text(t): v for t, v in zip(idx, vals)})
+                tops.append(d)
+            o["prompt_lp"], o["prompt_top"] = lps[:n - 1], tops[:n - 1]
+            o["gen_lp"], o["gen_top"] = lps[n - 1:], tops[n - 1:]
 
-    def _finish(self, gen: list[int], new: int) -> dict:
+    def _finish(self, gen: list[int], new: int, stop: list[str]) -> dict:
+        """The continuation up to the end-of-text token or the earliest stop string (neither is returned)."""
         eot = self.tok.eos_token_id
+        finish, count = "length", len(gen)
         if eot in gen:
-            gen = gen[:gen.index(eot) + 1]
-        finish = "stop" if gen and gen[-1] == eot and len(gen) < new else "length"
-        return {"continuation": self.tok.decode(gen), "completion_tokens": len(gen), "finish_reason": finish}
+            count = gen.index(eot) + 1
+            gen, finish = gen[:count - 1], "stop"
+        pieces = self._pieces(gen)
+        text = "".join(pieces)
+        hits = [(text.find(s), s) for s in stop if s in text]
+        if hits:
+            cut = min(hits)[0]
+            kept, at = [], 0
+            for piece in pieces:  # the tokens up to the one that completes the stop string, their text cut there
+                if at >= cut:
+                    break
+                kept.append(piece[:cut - at])
+                at += len(piece)
+            gen, pieces, count, finish = gen[:len(kept)], kept, len(kept), "stop"
+        return {"continuation": "".join(pieces), "gen_ids": gen, "gen_pieces": pieces, "completion_tokens": count,
+                "finish_reason": finish}
 
-    def _greedy(self, seqs: list[list[int]], new: int) -> list[dict]:
+    def _greedy(self, seqs: list[list[int]], new: int) -> list[list[int]]:
         """Greedy continuations of several prompts in one generate() call (left padding; transformers derives
         the positions from the attention mask)."""
         import torch
@@ -158,7 +225,7 @@ class ModelServer:
             mask[j, longest - len(s):] = 1
         gen = self.model.generate(input_ids=x.to(self.device), attention_mask=mask.to(self.device), do_sample=False,
                                   max_new_tokens=new, pad_token_id=eot, eos_token_id=eot)[:, longest:].tolist()
-        return [self._finish(g, new) for g in gen]
+        return gen
 
     def _generate(self, ids: list[int], req: dict) -> dict:
         import torch
@@ -166,17 +233,19 @@ class ModelServer:
 
         new = int(req.get("max_new_tokens", DEFAULT_NEW_TOKENS))
         if new == 0:
-            return {"continuation": "", "completion_tokens": 0, "finish_reason": "length"}
+            return self._finish([], 0, [])
         temperature = float(req.get("temperature", 0.0))
         # Per request, not per batch: a seeded request answers the same whatever it was batched with.
         if req.get("seed") is not None:
             set_seed(int(req["seed"]))
         eot = self.tok.eos_token_id
-        sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
+        top_p = float(req.get("top_p", 1.0))
+        sampling = ({"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0} if temperature > 0
+                    else {"do_sample": False})
         x = torch.tensor([ids], device=self.device)
         gen = self.model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=new,
                                   pad_token_id=eot, eos_token_id=eot, **sampling)[0, len(ids):].tolist()
-        return self._finish(gen, new)
+        return self._finish(gen, new, req.get("stop") or [])
 
 
 # --- ingress ------------------------------------------------------------------------------------------
@@ -192,13 +261,6 @@ def _metrics():
                              boundaries=LATENCY_BOUNDARIES_MS, tag_keys=("version", "endpoint")),
         "tokens": Counter("model_generated_tokens_total", "tokens generated (rate: tokens/s)", tag_keys=("version",)),
     }
-
-
-def _int_field(body: dict, key: str, default: int, lo: int, hi: int) -> int:
-    v = body.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-        raise RequestError(422, f"'{key}' must be an integer in [{lo}, {hi}], got {v!r}")
-    return v
 
 
 @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=512)
@@ -237,22 +299,28 @@ class Router:
         try:
             status, body = await self._dispatch(request, path, ctx)
         except RequestError as e:
-            status, body = e.status, {"error": e.reason}
+            status, body = e.status, self._error(path, e.status, e.reason, e.param)
         except Exception as e:  # noqa: BLE001 - e.g. a replica that died: counted, answered in one line
-            status, body = 503, {"error": f"the request failed in the server ({type(e).__name__}); retry"}
+            status, body = 503, self._error(path, 503, f"the request failed in the server ({type(e).__name__}); retry")
         latency_ms = (time.perf_counter() - t0) * 1e3
-        endpoint = path if path in ("/predict", "/v1/completions", "/v1/models", "/healthz") else "other"
+        endpoint = path if path in ENDPOINTS else "other"
         self.m["requests"].inc(tags={"status": str(status), "version": ctx["version"], "endpoint": endpoint})
-        if status == 200 and endpoint in ("/predict", "/v1/completions"):
+        if status == 200 and endpoint in ("/predict", "/v1/completions", "/v1/chat/completions"):
             self.m["latency"].observe(latency_ms, tags={"version": ctx["version"], "endpoint": endpoint})
-        return JSONResponse(body, status_code=status)
+        return body if isinstance(body, Response) else JSONResponse(body, status_code=status)
 
-    async def _dispatch(self, request: Request, path: str, ctx: dict) -> tuple[int, dict]:
-        routes = {"/predict": "POST", "/v1/completions": "POST", "/healthz": "GET", "/v1/models": "GET",
-                  "/admin/traffic": "GET POST", "/admin/promote": "POST", "/admin/rollback": "POST"}
+    @staticmethod
+    def _error(path: str, status: int, reason: str, param: Optional[str] = None) -> dict:
+        # OpenAI clients read {"error": {"message", ...}}; /predict and the admin calls keep their one-line error.
+        return openai_api.error_body(status, reason, param) if path.startswith("/v1/") else {"error": reason}
+
+    async def _dispatch(self, request: Request, path: str, ctx: dict) -> tuple[int, Any]:
+        routes = {"/predict": "POST", "/v1/completions": "POST", "/v1/chat/completions": "POST", "/healthz": "GET",
+                  "/v1/models": "GET", "/admin/traffic": "GET POST", "/admin/promote": "POST",
+                  "/admin/rollback": "POST"}
         if path not in routes:
-            raise RequestError(404, f"no endpoint {path}; try POST /predict, POST /v1/completions, GET /healthz, "
-                               f"GET /v1/models")
+            raise RequestError(404, f"no endpoint {path}; try POST /predict, POST /v1/completions, POST "
+                               f"/v1/chat/completions, GET /healthz, GET /v1/models")
         if request.method not in routes[path].split():
             raise RequestError(405, f"{path} takes {routes[path].replace(' ', ' or ')}, not {request.method}")
         if path == "/healthz":
@@ -267,32 +335,19 @@ class Router:
             if not isinstance(text, str) or not text:
                 raise RequestError(422, "the body needs a non-empty string 'text', e.g. {\"text\": \"one two\"}")
             req = {"text": text, "logprobs": True,
-                   "max_new_tokens": _int_field(body, "max_new_tokens", DEFAULT_NEW_TOKENS, 0, 4096)}
+                   "max_new_tokens": int_field(body, "max_new_tokens", DEFAULT_NEW_TOKENS, 0, 4096)}
             version = ctx["version"] = self._pick(body.get("version"))
             res = await self._call(version, req)
             return 200, {k: res[k] for k in ("version", "continuation", "tokens", "logprobs", "prompt_tokens",
                                               "completion_tokens", "cold")}
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1:
-            prompt = prompt[0]
-        if not isinstance(prompt, str) or not prompt:
-            raise RequestError(422, "the body needs a non-empty string 'prompt' (one prompt per request)")
-        temperature = body.get("temperature", 1.0)
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature <= 10:
-            raise RequestError(422, f"'temperature' must be a number in [0, 10], got {temperature!r}")
-        seed = body.get("seed")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise RequestError(422, f"'seed' must be an integer, got {seed!r}")
-        req = {"text": prompt, "max_new_tokens": _int_field(body, "max_tokens", DEFAULT_NEW_TOKENS, 1, 4096),
-               "temperature": float(temperature), "seed": seed}
+        parsed = (openai_api.parse_chat if path == "/v1/chat/completions" else openai_api.parse_completion)(body)
         version = ctx["version"] = self._pick(body.get("model"))
-        res = await self._call(version, req)
-        return 200, {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
-                     "model": version, "version": version,
-                     "choices": [{"index": 0, "text": res["continuation"], "logprobs": None,
-                                  "finish_reason": res["finish_reason"]}],
-                     "usage": {"prompt_tokens": res["prompt_tokens"], "completion_tokens": res["completion_tokens"],
-                               "total_tokens": res["prompt_tokens"] + res["completion_tokens"]}}
+        # One replica request per prompt and choice: Serve batches them with each other and with other clients'.
+        results = await asyncio.gather(*(self._call(version, r) for r in parsed.requests()))
+        if parsed.stream:
+            return 200, StreamingResponse(openai_api.sse(openai_api.chunks(parsed, results, version)),
+                                          media_type="text/event-stream")
+        return 200, openai_api.response(parsed, results, version)
 
     async def _json(self, request: Request) -> dict:
         ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
@@ -310,7 +365,7 @@ class Router:
     async def _call(self, version: str, req: dict) -> dict:
         res = await self.handles[version].remote(req)
         if res.get("error"):
-            raise RequestError(res["status"], res["error"])
+            raise RequestError(res["status"], res["error"], res.get("param"))
         if res["completion_tokens"]:
             self.m["tokens"].inc(res["completion_tokens"], tags={"version": version})
         return res
@@ -354,18 +409,19 @@ class Router:
 
 def build(stable_uri: str, stable_version: str, *, canary_uri: Optional[str] = None,
           canary_version: Optional[str] = None, canary_fraction: float = 0.0, replicas: int = 1, max_replicas: Optional[int] = None, num_cpus: float = 1,
-          num_gpus: float = 0, max_batch_size: int = 8, batch_wait_timeout_s: float = 0.005):
+          num_gpus: float = 0, max_batch_size: int = 8, batch_wait_timeout_s: float = 0.005,
+          chat_template: str = "default"):
     """The Serve application: a router and one model deployment per version."""
     scale = ({"autoscaling_config": {"min_replicas": replicas, "max_replicas": max_replicas,
                                      "target_ongoing_requests": max_batch_size}}
              if max_replicas and max_replicas > replicas else {"num_replicas": replicas})
     opts = {"ray_actor_options": {"num_cpus": num_cpus, "num_gpus": num_gpus}, **scale}
     stable = ModelServer.options(name="model", **opts).bind(stable_uri, stable_version, max_batch_size,
-                                                            batch_wait_timeout_s)
+                                                            batch_wait_timeout_s, chat_template=chat_template)
     canary = None
     if canary_uri:
         canary = ModelServer.options(name="canary", **opts).bind(canary_uri, canary_version, max_batch_size,
-                                                                 batch_wait_timeout_s)
+                                                                 batch_wait_timeout_s, chat_template=chat_template)
     return Router.bind(stable, stable_version, canary, canary_version, canary_fraction)
 
 
@@ -373,14 +429,15 @@ def app_builder(args: dict):
     """For Serve config files (`serve deploy`, cluster/serve.yaml): `import_path: raytrain.serving.app:app_builder`.
 
     args: model (exported dir, run or RUN@TAG), version, canary, canary_version, canary_fraction, replicas,
-    max_replicas, num_cpus, num_gpus (default: 1 when the cluster has GPUs), max_batch_size, batch_wait_timeout_s.
+    max_replicas, num_cpus, num_gpus (default: 1 when the cluster has GPUs), max_batch_size, batch_wait_timeout_s,
+    chat_template ("default": raytrain's template for models without one; "none": chat answers 400 for them).
     """
     import ray
 
     from raytrain.serving.source import resolve
 
     known = {"model", "version", "canary", "canary_version", "canary_fraction", "replicas", "max_replicas",
-             "num_cpus", "num_gpus", "max_batch_size", "batch_wait_timeout_s"}
+             "num_cpus", "num_gpus", "max_batch_size", "batch_wait_timeout_s", "chat_template"}
     unknown = set(args) - known
     if unknown or "model" not in args:
         raise ValueError(f"raytrain serve args: unknown {sorted(unknown)}, required 'model'; known: {sorted(known)}")
@@ -394,4 +451,5 @@ def app_builder(args: dict):
                  canary_fraction=float(args.get("canary_fraction", 0.0)), replicas=int(args.get("replicas", 1)),
                  max_replicas=args.get("max_replicas"), num_cpus=float(args.get("num_cpus", 1)), num_gpus=float(gpus),
                  max_batch_size=int(args.get("max_batch_size", 8)),
-                 batch_wait_timeout_s=float(args.get("batch_wait_timeout_s", 0.005)))
+                 batch_wait_timeout_s=float(args.get("batch_wait_timeout_s", 0.005)),
+                 chat_template=str(args.get("chat_template", "default")))

@@ -1,8 +1,9 @@
 """`raytrain check --url URL`: the HTTP launch check of a running `raytrain serve`, bounded in requests and time.
 
-Health; one predict (the cold request, when it is the replica's first); consistency (served per-token
-log-probabilities of K held-out samples against the offline model's, through the offline evaluation's
-own loss function); a load test of N requests at concurrency C (threads, one keep-alive connection
+Health; one predict (the cold request, when it is the replica's first); the OpenAI endpoints (completions
+with echo and log-probabilities, a stream, chat); consistency (the echoed prompt log-probabilities of
+/v1/completions for K held-out samples, one by one and as one list, against the offline model's, through
+the offline evaluation's own loss function); a load test of N requests at concurrency C (threads, one keep-alive connection
 each) reporting warm latency P50 / P95 / P99, throughput and errors. Writes launch_check.json and
 launch_check.md. Passes only with no failed request, consistency within tolerance and P99 within the bar.
 """
@@ -16,7 +17,7 @@ import threading
 import time
 import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -36,8 +37,9 @@ class Client:
         self.host, self.port, self.https = u.hostname, u.port or (443 if u.scheme == "https" else 80), u.scheme == "https"
         self.prefix, self.timeout_s, self.conn = u.path.rstrip("/"), timeout_s, None
 
-    def request(self, method: str, path: str, body: Optional[dict] = None) -> tuple[int, dict, float]:
-        """(status, JSON body or {"error": ...}, seconds). Status 0: the connection failed."""
+    def request(self, method: str, path: str, body: Optional[dict] = None) -> tuple[int, Any, float]:
+        """(status, JSON body or {"error": ...}, seconds). Status 0: the connection failed. A server-sent
+        event stream comes back as the list of its `data:` payloads (JSON, or the closing "[DONE]")."""
         data = json.dumps(body).encode() if body is not None else None
         headers = {"Content-Type": "application/json"} if data is not None else {}
         t = time.perf_counter()
@@ -49,6 +51,9 @@ class Client:
                 self.conn.request(method, self.prefix + path, body=data, headers=headers)
                 r = self.conn.getresponse()
                 raw = r.read()
+                if r.getheader("content-type", "").startswith("text/event-stream"):
+                    events = [x[len("data: "):] for x in raw.decode().split("\n\n") if x.startswith("data: ")]
+                    return r.status, [e if e == "[DONE]" else json.loads(e) for e in events], time.perf_counter() - t
                 try:
                     out = json.loads(raw)
                 except ValueError:
@@ -111,6 +116,7 @@ def run_url_check(url: str, *, model: Optional[str] = None, data: Optional[str] 
     chk = UrlCheck(url, timeout_s=timeout_s, log=log)
     if chk.reachable():
         chk.predict(prompt, max_new_tokens)
+        chk.openai(prompt, max_new_tokens)
         texts, tok = chk.consistency(model, data, k=k, tol=tol)
         chk.load(texts, tok, requests=requests, concurrency=concurrency, max_new_tokens=max_new_tokens,
                  max_p99_ms=max_p99_ms)
@@ -160,6 +166,40 @@ class UrlCheck:
                     f"POST /predict {prompt!r} -> {status} in {dt * 1e3:.0f} ms ({warmth}), "
                     f"version {res.get('version')}: {res.get('continuation', res.get('error'))!r}")
 
+    def echoed(self, version: str, prompt) -> list[tuple[int, Optional[list], str]]:
+        """(status, served log-probabilities of each prompt token after the first, error) per prompt, from
+        /v1/completions with echo and max_tokens 0."""
+        status, res, _ = self.client.request("POST", "/v1/completions", {"model": version, "prompt": prompt,
+                                                                        "max_tokens": 0, "echo": True, "logprobs": 0})
+        n = len(prompt) if isinstance(prompt, list) else 1
+        if status != 200:
+            return [(status, None, str(res.get("error", {}).get("message", res)) if isinstance(res, dict) else "")] * n
+        return [(status, c["logprobs"]["token_logprobs"][1:], "") for c in res["choices"]]
+
+    def openai(self, prompt: str, max_new_tokens: int) -> None:
+        """Completions with echo and log-probabilities, a stream equal to the unstreamed text, and chat."""
+        base = {"model": self.stable, "prompt": prompt, "max_tokens": max_new_tokens, "temperature": 0.8, "seed": 1}
+        status, res, dt = self.client.request("POST", "/v1/completions", {**base, "echo": True, "logprobs": 1})
+        choice = res["choices"][0] if status == 200 else {}
+        lp = choice.get("logprobs") or {}
+        self.record("echo", status == 200 and choice.get("text", "").startswith(prompt) and
+                    (lp.get("token_logprobs") or [0])[0] is None and "".join(lp.get("tokens", [])) == choice.get("text"),
+                    f"POST /v1/completions echo + logprobs -> {status} in {dt * 1e3:.0f} ms: "
+                    f"{len(lp.get('tokens', []))} tokens scored" + ("" if status == 200 else f" ({res})"))
+        status, events, dt = self.client.request("POST", "/v1/completions", {**base, "stream": True})
+        streamed = "".join(e["choices"][0]["text"] for e in events[:-1]) if status == 200 else None
+        text = choice.get("text", "")[len(prompt):]
+        self.record("stream", status == 200 and events[-1] == "[DONE]" and streamed == text,
+                    f"POST /v1/completions stream -> {status} in {dt * 1e3:.0f} ms: "
+                    f"{len(events) if status == 200 else 0} events, text {'equal to' if streamed == text else 'unlike'} "
+                    "the unstreamed one")
+        status, res, dt = self.client.request("POST", "/v1/chat/completions", {
+            # A few tokens: the rendered conversation is longer than the prompt, and must fit small contexts too.
+            "model": self.stable, "messages": [{"role": "user", "content": prompt}], "max_tokens": 4})
+        msg = res["choices"][0]["message"] if status == 200 else {}
+        self.record("chat", status == 200 and msg.get("role") == "assistant" and isinstance(msg.get("content"), str),
+                    f"POST /v1/chat/completions -> {status} in {dt * 1e3:.0f} ms: {msg.get('content', res)!r}")
+
     def consistency(self, model: Optional[str], data: Optional[str], *, k: int, tol: float) -> tuple[list, object]:
         """Pinned to the stable version, scored against that version's exported model offline; returns the
         held-out texts and the tokenizer (for the load test)."""
@@ -183,17 +223,17 @@ class UrlCheck:
                         "as MODEL_DIR)")
             return [], None
         worst, bad = 0.0, []
-        for text in texts:
-            status, res, _ = self.client.request("POST", "/predict", {"text": text, "max_new_tokens": 0, "version": stable})
-            got = res.get("logprobs") if status == 200 else None
-            want = offline_logprobs(offline, tok, text) if got is not None else []
+        wants = [offline_logprobs(offline, tok, text) for text in texts]
+        served = [self.echoed(stable, text)[0] for text in texts] + (self.echoed(stable, texts) if texts else [])
+        for (status, got, err), want in zip(served, wants + wants):
             if got is None or len(got) != len(want):
-                bad.append(f"{status} {res.get('error', '')} ({len(got or [])} vs {len(want)} tokens)")
+                bad.append(f"{status} {err} ({len(got or [])} vs {len(want)} tokens)")
                 continue
             worst = max(worst, max((abs(a - b) for a, b in zip(got, want)), default=0.0))
         if texts:
             self.out["consistency_max_abs_diff"] = worst
-            self.record("consistency", not bad and worst <= tol, f"{len(texts)} samples from {origin}, version {stable}: "
+            self.record("consistency", not bad and worst <= tol, f"{len(texts)} samples from {origin} (one by one and as one list, POST /v1/completions echo), "
+                        f"version {stable}: "
                         f"max |served - offline| log-prob {worst:.2e} (limit {tol:g})" + (f"; failed: {bad[:2]}" if bad else ""))
         return texts, tok
 

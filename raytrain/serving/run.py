@@ -32,7 +32,7 @@ def _interrupt(*_) -> None:
 def serve_forever(model: str, port: int = 8000, host: str = "127.0.0.1", version: Optional[str] = None,
                   canary: Optional[str] = None, canary_version: Optional[str] = None, canary_fraction: float = 0.0,
                   replicas: int = 1, max_replicas: Optional[int] = None, num_cpus: float = 1,
-                  max_batch_size: int = 8, metrics_port: Optional[int] = None, ready_file: Optional[str] = None,
+                  max_batch_size: int = 8, chat_template: str = "default", metrics_port: Optional[int] = None, ready_file: Optional[str] = None,
                   log: Callable[[str], None] = print) -> int:
     """Deploy, print the endpoints, block until SIGINT / SIGTERM, then delete the application (and stop the
     local Ray instance when this process started it)."""
@@ -68,7 +68,8 @@ def serve_forever(model: str, port: int = 8000, host: str = "127.0.0.1", version
         serve.start(http_options={"host": host, "port": port})
         app = build(stable.uri, stable.version, canary_uri=can.uri if can else None,
                     canary_version=can.version if can else None, canary_fraction=canary_fraction, replicas=replicas,
-                    max_replicas=max_replicas, num_cpus=num_cpus, num_gpus=gpus, max_batch_size=max_batch_size)
+                    max_replicas=max_replicas, num_cpus=num_cpus, num_gpus=gpus, max_batch_size=max_batch_size,
+                    chat_template=chat_template)
         t0 = time.time()
         try:
             serve.run(app, name=APP_NAME, route_prefix="/")
@@ -79,7 +80,8 @@ def serve_forever(model: str, port: int = 8000, host: str = "127.0.0.1", version
         log(f"[raytrain] serving {stable.version} ({stable.uri}){split} at {url} on {'GPU' if gpus else 'CPU'} "
             f"(ready in {time.time() - t0:.1f}s)\n"
             f"  curl -X POST {url}/predict -H 'Content-Type: application/json' -d '{{\"text\": \"...\"}}'\n"
-            f"  POST /v1/completions, GET /healthz, GET /v1/models; Ctrl-C stops")
+            f"  POST /v1/completions, POST /v1/chat/completions (OpenAI clients: base_url={url}/v1), GET /healthz, "
+            f"GET /v1/models; Ctrl-C stops")
         if ready_file:
             with open(ready_file, "w") as f:
                 json.dump({"url": url, "stable": stable.version, "canary": can.version if can else None}, f)
