@@ -16,6 +16,7 @@ import threading
 import time
 from typing import Optional
 
+from raytrain.errors import first_line
 from raytrain.worker.runlog import say
 
 
@@ -40,7 +41,7 @@ class PreemptionNotice:
             actor = ray.get_runtime_context().current_actor
             ray.get(actor.execute.remote(_install_handler), timeout=30)
         except Exception as e:  # noqa: BLE001 - not fatal: drains are still seen
-            say(f"warning: rank {self.rank}: SIGTERM handler not installed ({_first_line(e)}); only drain "
+            say(f"warning: rank {self.rank}: SIGTERM handler not installed ({first_line(e)}); only drain "
                 "notices will trigger a preemption checkpoint")
 
     def flags(self) -> tuple[bool, bool]:
@@ -86,7 +87,7 @@ class PreemptionNotice:
             except Exception as e:  # noqa: BLE001 - e.g. no Train context: SIGTERM still works
                 self._info_broken = True
                 if self.rank == 0:
-                    say(f"warning: preemption notices unavailable ({_first_line(e)}); SIGTERM still works")
+                    say(f"warning: preemption notices unavailable ({first_line(e)}); SIGTERM still works")
                 return None
             if info is not None or time.monotonic() >= deadline:
                 return info
@@ -139,7 +140,3 @@ def _reraise() -> None:
     signal.signal(signal.SIGTERM, prev if callable(prev) else signal.SIG_DFL)
     os.kill(os.getpid(), signal.SIGTERM)
 
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
