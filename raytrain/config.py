@@ -50,6 +50,16 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
 
 
+class LoraSection(Section):
+    """LoRA adapters through `peft` (`pip install raytrain[lora]`): the base model is frozen, only the adapters train
+    and are checkpointed (raytrain/lora.py)."""
+
+    r: int = Field(0, ge=0, description="adapter rank; 0: no LoRA (every parameter trains)")
+    alpha: float = Field(16.0, gt=0.0, description="scaling numerator: the update is (alpha / r) x B A")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on the adapter's input")
+    target_modules: list[str] = Field(default_factory=list, description="module names (or name suffixes) that get adapters, e.g. [q_proj, v_proj]; empty: peft's default for the family (gpt2: c_attn; llama / mixtral: q_proj, v_proj)")
+
+
 class ModelConfig(Section):
     """Transformer shape. Built with `transformers` config classes, random init, no hub access."""
 
@@ -70,6 +80,7 @@ class ModelConfig(Section):
     moe_experts: int = Field(8, ge=2, description="mixtral only: experts per MoE layer")
     moe_top_k: int = Field(2, ge=1, description="mixtral only: experts each token is routed to (top-k routing; dropless, so there is no capacity factor)")
     moe_aux_loss_coef: float = Field(0.01, ge=0.0, description="mixtral only: weight of the router's load-balancing loss added to the training loss (logged as aux_loss)")
+    lora: LoraSection = Field(default_factory=LoraSection, description="LoRA adapters (model.lora.r > 0)")
     init_from: Optional[str] = Field(None, description="fine-tune: start from this Hugging Face model directory (local or s3://, e.g. a `raytrain export`); its config sets the model shape, and the data must use its tokenizer")
 
     @model_validator(mode="after")
@@ -83,10 +94,28 @@ class ModelConfig(Section):
         return self
 
 
+class DataSource(Section):
+    """One source of a data mixture: a prepared train split and its share of every global batch."""
+
+    name: str = Field(..., pattern=r"^[A-Za-z0-9_.-]+$", description="the source's name in metrics (val_loss/<name>, tokens_seen/<name>) and in data.mixture_schedule")
+    path: str = Field(..., min_length=1, description="URI of the source's prepared train split (dir with manifest.json); every source must share one tokenizer")
+    weight: float = Field(1.0, description="relative share of each global batch from step 0 (normalised over the sources; 0: unused until a schedule stage raises it)")
+    val: Optional[str] = Field(None, description="URI of the source's prepared validation split: evaluated as val_loss/<name>, val_ppl/<name>; null: none")
+
+
+class MixtureStage(Section):
+    """From `start_step` on, these weights (sources not named keep their previous weight)."""
+
+    start_step: int = Field(..., ge=1, description="the stage applies once this many optimizer steps are done (to metrics steps start_step + 1 on; global batch index start_step), as new weights on resume from checkpoint step R apply from step R + 1")
+    weights: dict[str, float] = Field(..., description="source name -> relative weight from start_step on")
+
+
 class DataConfig(Section):
     """Prepared datasets (see `raytrain prepare`): each URI is a split directory holding manifest.json."""
 
-    train: Optional[str] = Field(None, description="URI of the prepared train split (local path or s3://...; dir with manifest.json)")
+    train: Union[str, list[DataSource], None] = Field(None, description="URI of the prepared train split (local path or s3://...; dir with manifest.json), or a mixture: a list of sources {name, path, weight, val} (docs/DATA.md)")
+    # A mixture's weights may change during the run (e.g. more curated text for the last 10 % of steps).
+    mixture_schedule: list[MixtureStage] = Field(default_factory=list, description="mixture only: stages {start_step, weights} in increasing start_step")
     val: Optional[str] = Field(None, description="URI of the prepared validation split; null: no validation")
     format: Literal["parquet", "webdataset"] = Field("parquet", description="shard format to train from (the dataset must have been prepared with it); both give the same sample order")
     shuffle: bool = Field(True, description="shuffle shard order and rows each epoch (deterministic from run.seed)")
@@ -94,6 +123,7 @@ class DataConfig(Section):
     eval_samples: int = Field(512, ge=1, description="validation sequences per evaluation (the first ones of val)")
     verify: Literal["size", "checksum"] = Field("size", description="check of every shard against the manifest before training: sizes (cheap) or sha256 (reads all data once)")
     stall_timeout_s: float = Field(600.0, gt=0.0, description="fail with a diagnosis when no data arrives for this long (never hang)")
+    document_mask: bool = Field(True, description="fine-tuning data (prepare format=prompt_completion|chat): positions restart at every packed example and attention stays inside it, so an example is learned as if alone in its sequence; false: packed examples see each other (the loss mask holds either way). Text data has no example boundaries and ignores it")
     on_bad_shard: Literal["error", "skip"] = Field("error", description="a shard that cannot be read during training (corrupt Parquet, truncated tar): stop with an error naming it, or skip it and count it (metrics: data_skipped_shards)")
 
 
@@ -188,6 +218,12 @@ class CheckpointSection(Section):
     local_dir: Optional[str] = Field(None, description="node-local directory for restore downloads (each node fetches only its ranks' files, once) and save staging; staging of killed processes is removed at start. Default: the node's largest local disk (/opt/dlami/nvme, /mnt, ...; else ~/.cache)/raytrain")
     verify_on_resume: Literal["checksum", "size"] = Field("checksum", description="how the checkpoint to resume from is checked: sha256 of every file (reads it once more) or sizes only")
     on_preemption: bool = Field(True, description="checkpoint at once when a node is drained for preemption or a worker gets SIGTERM")
+    memory: bool = Field(False, description="host-memory snapshots (opt-in while a node-loss drill is open: docs/FAULT_TOLERANCE.md): each rank copies its state into shared memory held by a per-node actor of the run, so a restarted worker group resumes from the newest snapshot instead of the last storage checkpoint; false: storage checkpoints only")
+    memory_every_n_steps: int = Field(1, ge=1, description="memory snapshot interval in optimizer steps (also at every storage checkpoint); a restart redoes at most this many steps")
+    memory_budget_gb: float = Field(0.0, ge=0, description="most GiB of snapshots per node (two generations per rank, 12 x params / data-parallel ranks bytes each); over it: one warning and storage-only recovery. 0: only the free space of memory_dir limits it")
+    memory_peer_every_n_steps: int = Field(1, ge=0, description="copy each rank's newest snapshot to the next node's actor every this many steps, so the loss of one node restores from memory:peer; a copy still in flight skips the next ones (the rate limit). Bytes per node per copy: 12 x params / nodes. 0: no peer copy")
+    memory_fetch_timeout_s: float = Field(60.0, gt=0, description="a restore waits this long for another node's actor to send a rank's snapshot")
+    memory_dir: str = Field("/dev/shm", description="shared-memory directory (tmpfs) for the snapshots on every node")
 
 
 class RunSection(Section):
@@ -257,6 +293,23 @@ class MetricsSection(Section):
     tracker_timeout_s: float = Field(30.0, gt=0.0, description="the longest the end of an attempt waits for a tracker to send what it still holds")
 
 
+class EvalSection(Section):
+    """Downstream evaluation with EleutherAI's lm-evaluation-harness (`pip install raytrain[eval]`): `raytrain eval --tasks`, and committed checkpoints during training, each on a Ray task of its own."""
+
+    tasks: list[str] = Field(default_factory=list, description="harness task names evaluated on committed checkpoints during training; empty: none")
+    every_n_checkpoints: int = Field(1, ge=1, description="evaluate every n-th checkpoint an attempt commits (the final one always)")
+    limit: Optional[int] = Field(None, ge=1, description="documents per task (the harness's --limit); null: all")
+    num_fewshot: Optional[int] = Field(None, ge=0, description="few-shot examples (the harness's --num_fewshot); null: each task's default")
+    include_path: Optional[str] = Field(None, description="a directory of your own task YAMLs (the harness's --include_path), readable on every node; relative paths are resolved at submit")
+    batch_size: int = Field(1, ge=1, description="the harness's --batch_size (1, its default, gives its CLI's numbers exactly)")
+    resources: Optional[dict[str, float]] = Field(None, description="Ray resources of each evaluation task, e.g. {CPU: 4, GPU: 1}; null: 1 CPU, and 1 GPU where the cluster has GPUs, so it never shares a training worker's device")
+    wait_at_end_s: float = Field(600.0, ge=0.0, description="the end of training waits this long for evaluations still running, to log their results; later ones are logged by the next resume")
+
+    @field_validator("include_path")
+    def _absolute(cls, v: Optional[str]) -> Optional[str]:
+        return os.path.abspath(os.path.expanduser(v)) if v else v
+
+
 class HealthSection(Section):
     """Health rules checked in the training loop (PRODUCT.md). Null thresholds: GPU defaults on GPU, CPU defaults on CPU."""
 
@@ -315,6 +368,7 @@ class Config(Section):
     run: RunSection = Field(default_factory=RunSection)
     metrics: MetricsSection = Field(default_factory=MetricsSection)
     health: HealthSection = Field(default_factory=HealthSection)
+    eval: EvalSection = Field(default_factory=EvalSection)
     cost: CostSection = Field(default_factory=CostSection)
 
     @model_validator(mode="before")
@@ -327,6 +381,13 @@ class Config(Section):
                 section, name = key.split(".")
                 tree[section].pop(name)
         return tree
+
+    @model_validator(mode="after")
+    def _mixture_consistent(self) -> "Config":
+        from raytrain.data.mixture import check_mixture
+
+        check_mixture(self.data.train, self.data.mixture_schedule)  # weights, names, stage order
+        return self
 
     @model_validator(mode="after")
     def _one_gpu_per_worker(self) -> "Config":
@@ -359,6 +420,15 @@ class Config(Section):
             # Resume across sizes and export merge the rank slices through DeepSpeed's universal checkpoint,
             # which is built from ZeRO optimizer partitions.
             raise ValueError(f"{key} needs deepspeed.zero_stage >= 1 (1-3 work with AutoTP)")
+        return self
+
+    @model_validator(mode="after")
+    def _lora_fits(self) -> "Config":
+        from raytrain.lora import settings_error  # no peft import: only the settings are checked
+
+        msg = settings_error(self)
+        if msg:
+            raise ValueError(msg)
         return self
 
     @model_validator(mode="after")
@@ -432,7 +502,7 @@ def _reference_rows(prefix: str, cls: type[BaseModel]) -> list[str]:
         if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel):
             rows += _reference_rows(f"{prefix}.{name}", f.annotation)
             continue
-        ann = str(f.annotation).replace("typing.", "").replace("<class '", "").replace("'>", "")
+        ann = str(f.annotation).replace("typing.", "").replace("<class '", "").replace("'>", "").replace("raytrain.config.", "")
         default = f.default_factory() if f.default_factory else f.default
         rows.append(f"| `{prefix}.{name}` | `{ann}` | `{json.dumps(default)}` | {f.description or ''} |")
     return rows

@@ -28,27 +28,27 @@ def eval_rows(split, n_samples: int, micro_batch: int, world: int) -> np.ndarray
     return read_rows(split, 0, n)
 
 
-@torch.no_grad()
-def loss_sums(model: torch.nn.Module, rows: np.ndarray, micro_batch: int) -> tuple[float, int]:
-    """(sum of next-token cross entropy, number of predicted tokens) over rows of seq_len+1 tokens."""
-    from raytrain.worker.evaluate import lm_loss
+def loss_sums(model: torch.nn.Module, rows: np.ndarray, micro_batch: int, *, window: Optional[int] = None,
+              document_mask: bool = True) -> tuple[float, int]:
+    """(sum of next-token cross entropy, number of predicted tokens) over rows of seq_len+1 tokens (window); rows of
+    a fine-tuning split count their learned tokens only, with the training mask (raytrain/worker/loss.py)."""
+    from raytrain.worker.loss import loss_sums as masked_sums
 
     model.eval()
-    total, count = 0.0, 0
-    for i in range(0, len(rows), micro_batch):
-        x = torch.from_numpy(np.array(rows[i:i + micro_batch], dtype=np.int64))  # a copy: Ray hands out read-only arrays
-        total += float(lm_loss(model, x, reduction="sum").double())
-        count += x[:, 1:].numel()
-    return total, count
+    total, count = masked_sums(model, rows, micro_batch=micro_batch, window=window or rows.shape[1],
+                               document_mask=document_mask)
+    return total, int(round(count))
 
 
-def _remote_loss(model_ref, rows: np.ndarray, micro_batch: int) -> tuple[float, int]:
+def _remote_loss(model_ref, rows: np.ndarray, micro_batch: int, kw: dict) -> tuple[float, int]:
     torch.set_num_threads(1)  # one CPU per task, as scheduled
-    return loss_sums(model_ref, rows, micro_batch)
+    return loss_sums(model_ref, rows, micro_batch, **kw)
 
 
-def distributed_loss(model: torch.nn.Module, rows: np.ndarray, micro_batch: int, workers: int) -> tuple[float, int]:
-    """Score rows on `workers` Ray tasks (contiguous micro-batch-aligned slices); sums come back to the driver."""
+def distributed_loss(model: torch.nn.Module, rows: np.ndarray, micro_batch: int, workers: int,
+                     **kw) -> tuple[float, int]:
+    """Score rows on `workers` Ray tasks (contiguous micro-batch-aligned slices); sums come back to the driver.
+    kw: loss_sums' window and document_mask."""
     import ray
 
     from raytrain.ray_connect import connect
@@ -59,7 +59,7 @@ def distributed_loss(model: torch.nn.Module, rows: np.ndarray, micro_batch: int,
         model_ref = ray.put(model)
         per = math.ceil(len(rows) / micro_batch / workers) * micro_batch
         parts = [rows[i:i + per] for i in range(0, len(rows), per)]
-        results = ray.get([remote.remote(model_ref, p, micro_batch) for p in parts])
+        results = ray.get([remote.remote(model_ref, p, micro_batch, kw) for p in parts])
     finally:
         if started:
             ray.shutdown()
@@ -102,7 +102,8 @@ def evaluate(checkpoint: Optional[str] = None, model_dir: Optional[str] = None, 
     mb = cfg.batch.micro_batch_size if cfg else 8
     world = cfg.scaling.num_workers if cfg else 1
     rows = eval_rows(split, samples or (cfg.data.eval_samples if cfg else 512), mb, world)
-    total, count = distributed_loss(model, rows, mb, max(1, workers))
+    total, count = distributed_loss(model, rows, mb, max(1, workers), window=split.seq_len + 1,
+                                    document_mask=cfg.data.document_mask if cfg else True)
     loss = total / count
     out = {"source": source, "step": step, "data": split.uri, "sequences": int(len(rows)), "tokens": count,
            "val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)), "workers": workers}

@@ -79,8 +79,9 @@ def _merged_tensor_parallel(engine_dir: str, out_dir: str) -> dict[str, torch.Te
             for name in os.listdir(zero) if os.path.exists(os.path.join(zero, name, "fp32.pt"))}
 
 
-def load_checkpoint(ckpt_uri: str, tokenizer: Optional[str] = None) -> LoadedCheckpoint:
-    """The trained model of a checkpoint as a plain `transformers` model (fp32, eval mode)."""
+def load_checkpoint(ckpt_uri: str, tokenizer: Optional[str] = None, merge: bool = True) -> LoadedCheckpoint:
+    """The trained model of a checkpoint as a plain `transformers` model (fp32, eval mode). A LoRA checkpoint's
+    adapter is merged into its base (merge=False: the peft model, adapter apart)."""
     from transformers import AutoModelForCausalLM
 
     from raytrain.data.manifest import load_split
@@ -88,25 +89,36 @@ def load_checkpoint(ckpt_uri: str, tokenizer: Optional[str] = None) -> LoadedChe
 
     ckpt_uri = storage.absolute(ckpt_uri)
     cfg = checkpoint_config(ckpt_uri)
-    step = json.loads(storage.read_text(storage.join(ckpt_uri, "raytrain_state.json")))["step"]
+    state = json.loads(storage.read_text(storage.join(ckpt_uri, "raytrain_state.json")))
+    step = state["step"]
     sd = consolidated_state_dict(ckpt_uri, cfg.deepspeed.zero_stage, cfg.deepspeed.tensor_parallel_size)
     emb = [v for k, v in sd.items() if k.endswith(("wte.weight", "embed_tokens.weight"))]
-    if not emb:
+    if not emb and not cfg.model.lora.r:
         raise UserError(f"{ckpt_uri}: no token embedding among the saved weights; is it a raytrain checkpoint?")
-    eot_id, tok_uri = None, tokenizer
-    if cfg.data.train:
+    eot_id, tok_uri, vocab = None, tokenizer, cfg.model.vocab_size or (emb[0].shape[0] if emb else None)
+    from raytrain.data.sources import train_uri
+
+    train = train_uri(cfg.data)  # a mixture: its first source (every source shares one tokenizer)
+    if train:
         try:
-            split = load_split(cfg.data.train, "the checkpoint's data.train")
+            split = load_split(train, "the checkpoint's data.train")
             eot_id, tok_uri = split.eot_id, tokenizer or split.tokenizer_uri
+            vocab = vocab or split.vocab_size
         except UserError:
-            beside = storage.join(storage.absolute(cfg.data.train).rsplit("/", 1)[0], "tokenizer.json")
+            beside = storage.join(storage.absolute(train).rsplit("/", 1)[0], "tokenizer.json")
             if tokenizer is None and storage.exists(beside):  # `prepare` writes it next to the splits
                 tok_uri = beside
             elif tokenizer is None:
-                raise UserError(f"the tokenizer of {ckpt_uri} is beside its training data ({cfg.data.train}), which "
+                raise UserError(f"the tokenizer of {ckpt_uri} is beside its training data ({train}), which "
                                 f"is not reachable; pass --tokenizer <tokenizer.json>") from None
     if eot_id is None and tok_uri:
         eot_id = _eot_of(tok_uri)
+    if cfg.model.lora.r:
+        from raytrain import lora
+
+        model = lora.from_checkpoint(cfg, sd, vocab=vocab, eot_id=eot_id, saved=state.get("lora_base"),
+                                     where=ckpt_uri, merge=merge)
+        return LoadedCheckpoint(model, cfg, step=step, uri=ckpt_uri, eot_id=eot_id, tokenizer_uri=tok_uri)
     model_cfg = cfg.model.model_copy(update={"init_from": None})
     model = AutoModelForCausalLM.from_config(hf_config(model_cfg, emb[0].shape[0], eot_id),
                                              attn_implementation=cfg.model.attn_implementation)
@@ -146,6 +158,25 @@ def hf_tokenizer(tokenizer_uri: str, max_length: int, eot_id: Optional[int]):
                                        model_max_length=max_length)
 
 
+def write_model_dir(ck: LoadedCheckpoint, model, d: str, *, params: int, **extra) -> dict:
+    """A model's weights, tokenizer, generation config and export metadata into local directory d; the metadata."""
+    from transformers import GenerationConfig
+
+    model.config.use_cache = True  # training turned the KV cache off; generation wants it
+    model.save_pretrained(d)
+    tok = hf_tokenizer(ck.tokenizer_uri, ck.cfg.model.seq_len, ck.eot_id)
+    tok.chat_template = DEFAULT_CHAT_TEMPLATE  # so /v1/chat/completions and offline chat render alike
+    tok.save_pretrained(d)
+    GenerationConfig(bos_token_id=ck.eot_id, eos_token_id=ck.eot_id, pad_token_id=ck.eot_id).save_pretrained(d)
+    meta = {"source_checkpoint": ck.uri, "step": ck.step, "params": params, "family": ck.cfg.model.family,
+            "zero_stage": ck.cfg.deepspeed.zero_stage, "seq_len": ck.cfg.model.seq_len,
+            "reported": reported_val(ck.uri.rsplit("/", 1)[0], ck.step), "val_data": ck.cfg.data.val,
+            "exported": timestamp(), "config": ck.cfg.to_dict(), **extra}
+    with open(os.path.join(d, EXPORT_META), "w") as f:
+        json.dump(meta, f, indent=1)
+    return meta
+
+
 def reported_val(run_uri: str, step: int) -> Optional[dict]:
     """The validation loss / perplexity training logged at `step` (metrics.jsonl), if it evaluated then."""
     found = None
@@ -156,15 +187,20 @@ def reported_val(run_uri: str, step: int) -> Optional[dict]:
 
 
 def export(ckpt_uri: str, out_uri: str, tokenizer: Optional[str] = None, force: bool = False,
-           log: Callable[[str], None] = print) -> dict:
-    """Write a Hugging Face model directory for a checkpoint; checks the parameter count on reload."""
-    from transformers import AutoModelForCausalLM, GenerationConfig
+           log: Callable[[str], None] = print, adapter: bool = False) -> dict:
+    """Write a Hugging Face model directory for a checkpoint; checks the parameter count on reload. A LoRA
+    checkpoint's adapter is merged in; adapter=True writes the PEFT adapter directory instead (raytrain/lora.py)."""
+    from transformers import AutoModelForCausalLM
 
     from raytrain.model import param_count
 
     out_uri = storage.absolute(out_uri)
-    if storage.exists(storage.join(out_uri, "config.json")) and not force:
+    if any(storage.exists(storage.join(out_uri, f)) for f in ("config.json", "adapter_config.json")) and not force:
         raise UserError(f"{out_uri} already holds a model; pass --force to overwrite it")
+    if adapter:
+        from raytrain import lora
+
+        return lora.export_adapter(ckpt_uri, out_uri, tokenizer=tokenizer, log=log)
     ck = load_checkpoint(ckpt_uri, tokenizer)
     if ck.tokenizer_uri is None:
         raise UserError(f"no tokenizer known for {ck.uri}; pass --tokenizer <tokenizer.json>")
@@ -175,18 +211,7 @@ def export(ckpt_uri: str, out_uri: str, tokenizer: Optional[str] = None, force: 
         raise UserError(f"parameter count {n_params:,} differs from the {trained:,} the run trained "
                         f"({RunDir(run_uri).uri(SUMMARY)})")
     with tempfile.TemporaryDirectory(prefix="raytrain-export-") as d:
-        ck.model.config.use_cache = True  # training turned the KV cache off; generation wants it
-        ck.model.save_pretrained(d)
-        tok = hf_tokenizer(ck.tokenizer_uri, ck.cfg.model.seq_len, ck.eot_id)
-        tok.chat_template = DEFAULT_CHAT_TEMPLATE  # so /v1/chat/completions and offline chat render alike
-        tok.save_pretrained(d)
-        GenerationConfig(bos_token_id=ck.eot_id, eos_token_id=ck.eot_id, pad_token_id=ck.eot_id).save_pretrained(d)
-        meta = {"source_checkpoint": ck.uri, "step": ck.step, "params": n_params, "family": ck.cfg.model.family,
-                "zero_stage": ck.cfg.deepspeed.zero_stage, "seq_len": ck.cfg.model.seq_len,
-                "reported": reported_val(run_uri, ck.step), "val_data": ck.cfg.data.val,
-                "exported": timestamp(), "config": ck.cfg.to_dict()}
-        with open(os.path.join(d, EXPORT_META), "w") as f:
-            json.dump(meta, f, indent=1)
+        write_model_dir(ck, ck.model, d, params=n_params)
         # The release gate in miniature: what we wrote must load with stock transformers and be the same size.
         reloaded = param_count(AutoModelForCausalLM.from_pretrained(d))
         if reloaded != n_params:

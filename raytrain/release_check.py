@@ -77,8 +77,10 @@ def run_checks(model_dir: str, *, expect_params: Optional[int] = None, prompt: s
 
         cfg = Config.model_validate(meta["config"]) if "config" in meta else None
         mb, world = (cfg.batch.micro_batch_size, cfg.scaling.num_workers) if cfg else (8, 1)
-        rows = eval_rows(load_split(data, "--data"), cfg.data.eval_samples if cfg else 512, mb, world)
-        total, count = loss_sums(model, rows, mb)
+        split = load_split(data, "--data")
+        rows = eval_rows(split, cfg.data.eval_samples if cfg else 512, mb, world)
+        total, count = loss_sums(model, rows, mb, window=split.seq_len + 1,  # fine-tuning splits: the training mask
+                                 document_mask=cfg.data.document_mask if cfg else True)
         out["val_loss"] = total / count
         reported = (meta.get("reported") or {}).get("val_loss")
         if reported is None:

@@ -1,5 +1,6 @@
 """`raytrain report RUN_URI`: a PNG of loss, perplexity and throughput over steps and a Markdown summary of a run,
-both from its metrics.jsonl, summary.json and attempts.jsonl (local or s3://); restarts and rollbacks are marked."""
+both from its metrics.jsonl, summary.json, attempts.jsonl and restores.jsonl (local or s3://); restarts (with where
+each restored from) and rollbacks are marked."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from typing import Optional
 
 from raytrain import storage
 from raytrain.errors import UserError
-from raytrain.rundir import METRICS, REPORT_MD, REPORT_PNG, SUMMARY, RunDir
+from raytrain.ckpt.layout import step_of
+from raytrain.rundir import METRICS, MIXTURE, REPORT_MD, REPORT_PNG, RESTORES, SUMMARY, RunDir
 
 
 def load_records(run_uri: str) -> list[dict]:
@@ -38,11 +40,22 @@ def restarts(run_uri: str) -> list[dict]:
     from raytrain.cost import Prices, report as cost_report
 
     rows = cost_report(run_uri, Prices(0.0, 0.0, 0.0))["restarts"]
+    restores = [r for r in RunDir(run_uri).read_jsonl(RESTORES) if r.get("ok")]
     for i, r in enumerate(rows, start=1):
         r["attempt"] = i
+        r["source"] = _restore_source(restores, r["resumed_step"])
         # Work thrown away (trained past the checkpoint, then redone) plus the time until training resumed.
         r["wall_lost_s"] = round(r["lost_s"] + max(0.0, r["recovery_s"]), 1)
     return rows
+
+
+def _restore_source(restores: list[dict], step: int) -> str:
+    """Where the restart at `step` restored from (restores.jsonl, consumed in order): memory:local / memory:peer /
+    storage; records of older versions name no source (storage) or no step (their checkpoint's)."""
+    for i, r in enumerate(restores):
+        if r.get("step", step_of(r.get("checkpoint") or "")) == step:
+            return restores.pop(i).get("source", "storage")
+    return "none (fresh start)" if step == 0 else "-"
 
 
 def plot(recs: list[dict], title: str, path: str, restarted: tuple[dict, ...] = ()) -> None:
@@ -93,6 +106,25 @@ def _f(v, fmt: str) -> str:
     return format(v, fmt) if isinstance(v, (int, float)) and not isinstance(v, bool) else "-"
 
 
+def mixture_lines(s: dict, recs: list[dict], recorded: list[dict]) -> list[str]:
+    """A data mixture's sources: weight schedule (as recorded, with changes on resume), realised share of the
+    slots trained, tokens, passes over each source's data, last validation loss; nothing for one split."""
+    names = [k.split("/", 1)[1] for k in s if k.startswith("share/")] or \
+        sorted({k.split("/", 1)[1] for r in recs for k in r if k.startswith("share/")})
+    if not names:
+        return []
+    last = lambda k: s.get(k, next((r[k] for r in reversed(recs) if isinstance(r.get(k), (int, float))), None))  # noqa: E731
+    out = ["## Data mixture", ""]
+    for rec in recorded:
+        stages = "; ".join(f"from step {st}: " + ", ".join(f"{n} {w:g}" for n, w in zip(names, ws))
+                           for st, ws in rec["stages"])
+        out.append(f"- {'set' if rec['from_step'] == 0 else 'changed on resume'} at step {rec['from_step']}: {stages}")
+    out += ["", "| source | realised share | tokens | epochs (passes) | val loss (last) |", "| --- | --- | --- | --- | --- |"]
+    out += [f"| {n} | {_f(last(f'share/{n}'), '.2%')} | {_f(last(f'tokens_seen/{n}'), ',')} | "
+            f"{_f(last(f'epochs/{n}'), '.3f')} | {_f(last(f'val_loss/{n}'), '.4f')} |" for n in names]
+    return out + [""]
+
+
 def markdown(recs: list[dict], summary: Optional[dict], run_uri: str, png_name: str,
              restarted: tuple[dict, ...] = ()) -> str:
     s = summary or {}
@@ -123,14 +155,15 @@ def markdown(recs: list[dict], summary: Optional[dict], run_uri: str, png_name: 
     if any(v is not None for v in phases.values()):
         lines += ["Step time by phase at the last log step: " +
                   ", ".join(f"{k} {_f(v, '.4f')} s" for k, v in phases.items()), ""]
+    lines += mixture_lines(s, recs, RunDir(run_uri).read_jsonl(MIXTURE))
     lines += ["## Restarts", ""]
     if not restarted:
         lines.append("No restarts.")
     else:
-        lines += ["| restart | resumed at step | steps redone | wall s lost | of which recovery s |",
-                  "| --- | --- | --- | --- | --- |"]
+        lines += ["| restart | resumed at step | steps redone | wall s lost | of which recovery s | restored from |",
+                  "| --- | --- | --- | --- | --- | --- |"]
         lines += [f"| {r['attempt']} | {r['resumed_step']} | {_f(r['lost_steps'], 'd')} | {_f(r['wall_lost_s'], '.1f')} "
-                  f"| {_f(r['recovery_s'], '.1f')} |" for r in restarted]
+                  f"| {_f(r['recovery_s'], '.1f')} | {r.get('source', '-')} |" for r in restarted]
     lines.append("")
     violations = s.get("health_violations") or {}
     rolled = [r for r in recs if r.get("event") == "rollback"]

@@ -32,9 +32,12 @@ SUMMARY = _file("summary.json", "the finished run's figures (losses, throughput,
 ATTEMPTS = _file("attempts.jsonl", "one line per (re)start: resumed step, world size, start-up phases, the "
                  "previous attempt's progress", "rank 0, after its first step")
 PROGRESS = _file("progress.json", "the heartbeat: step reached, when, stalled or moving", "rank 0's heartbeat thread")
-RESTORES = _file("restores.jsonl", "one line per restore: checkpoint, verdict, bytes read per node", "rank 0")
+RESTORES = _file("restores.jsonl", "one line per restore: source (memory:local, memory:peer or storage), step, "
+                 "checkpoint, verdict, bytes read per node", "rank 0")
 CONVERSIONS = _file("conversions.jsonl", "universal-form conversions for resized resumes: from / to world "
                     "size, seconds", "rank 0")
+MIXTURE = _file("mixture.jsonl", "a data mixture's sources and weight schedule as first submitted, and each "
+                "change on resume (the step it applies from)", "driver, at submit")
 HEALTH = _file("health.json", "the health report of a run the rules stopped", "rank 0")
 COMM_FAILURE = _file("comm_failure.txt", "the newest communication-failure diagnosis (rank, collective, "
                      "settings)", "the rank that waited")
@@ -43,6 +46,10 @@ RESUME_MARKER = _file("resume_from.json", "`raytrain ckpt rollback`: the step th
                       "`raytrain ckpt rollback`")
 TRACKERS = _file("trackers.json", "the experiment-tracker runs (W&B, MLflow) every attempt and resubmission logs "
                   "into: run ids and where, never credentials", "rank 0's tracker threads")
+EVAL = _file("eval", "downstream evaluations (lm-evaluation-harness): eval/<step>/<task>.json, the metrics of one "
+             "task on the checkpoint of that step", "the evaluation's Ray task", directory=True)
+EVAL_QUEUE = _file("eval_queue.jsonl", "one line per checkpoint handed to a downstream evaluation (step, tasks): an "
+                   "evaluation lost to a preemption is run again by the next attempt, never twice", "rank 0")
 TAGS = _file("tags", "one <tag>.json per tagged checkpoint (its step and config)", "`raytrain ckpt tag`", directory=True)
 TENSORBOARD = _file("tensorboard", "TensorBoard event files", "rank 0", directory=True)
 REPORT_PNG = _file("report.png", "loss, perplexity and throughput plots", "`raytrain report`")

@@ -1,13 +1,15 @@
 """One storage layer for every URI the tool touches: local paths and s3:// on any S3-compatible store.
 
 S3 endpoint, region and credentials come only from the standard AWS settings (AWS_ENDPOINT_URL,
-AWS_REGION, the credential provider chain); nothing here reads or prints secrets.
+AWS_REGION, the credential provider chain); nothing here reads or prints secrets. A refused request (HTTP 403)
+becomes one line naming the IAM action to grant, the URI and the shipped policy statement (`access_denied`).
 """
 
 from __future__ import annotations
 
 import io
 import os
+import re
 import threading
 from pathlib import Path
 from typing import Optional
@@ -89,8 +91,65 @@ def join(base: str, *parts: str) -> str:
 
 
 def _fail(uri: str, err: Exception, what: str) -> UserError:
+    denied = access_denied(uri, err)
+    if denied is not None:
+        return denied
     first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     return UserError(f"cannot {what} {uri}: {first}")
+
+
+# The IAM action each S3 API call needs: a refusal names the action to grant, not the call that was refused
+# (pyarrow and boto3 name the call). HeadBucket and the List calls are authorised by s3:ListBucket on the bucket.
+_S3_ACTIONS = {"PutObject": "s3:PutObject", "CreateMultipartUpload": "s3:PutObject", "UploadPart": "s3:PutObject",
+               "CompleteMultipartUpload": "s3:PutObject", "CopyObject": "s3:PutObject", "GetObject": "s3:GetObject",
+               "HeadObject": "s3:GetObject", "ListObjectsV2": "s3:ListBucket", "ListObjects": "s3:ListBucket",
+               "HeadBucket": "s3:ListBucket", "DeleteObject": "s3:DeleteObject", "DeleteObjects": "s3:DeleteObject",
+               "AbortMultipartUpload": "s3:AbortMultipartUpload", "ListParts": "s3:ListMultipartUploadParts",
+               "GetBucketLocation": "s3:GetBucketLocation"}
+_BUCKET_ACTIONS = ("s3:ListBucket", "s3:GetBucketLocation")
+_DENIED = re.compile(r"ACCESS_DENIED|AccessDenied|\(403\)|Forbidden")
+_OPERATION = re.compile(r"during (\w+) operation|calling the (\w+) operation")
+# The shipped least-privilege policies (present in a source checkout, which `ray job submit --working-dir .` ships).
+_POLICY_DIR = Path(__file__).resolve().parent.parent / "cluster" / "iam"
+
+
+def access_denied(uri: str, err: BaseException) -> Optional[UserError]:
+    """An S3 refusal (HTTP 403) as one line naming the IAM action, the URI and the policy statement to check; None
+    for any other error. Every storage call translates its errors here, wherever it runs (driver or worker)."""
+    text = str(err)
+    if not uri.startswith("s3://") or not _DENIED.search(text):
+        return None
+    m = _OPERATION.search(text)
+    call = (m.group(1) or m.group(2)) if m else ""
+    action = _S3_ACTIONS.get(call, f"s3:{call}" if call else "the s3 action")
+    bucket, _, key = uri[len("s3://"):].partition("/")
+    arn = f"arn:aws:s3:::{bucket}" if action in _BUCKET_ACTIONS or not key else f"arn:aws:s3:::{bucket}/{key}"
+    found = shipped_statements(action, arn, bucket)
+    where = f"shipped: {', '.join(found)}" if found else "the shipped policies: cluster/iam/README.md"
+    return UserError(f"access denied: {action} on {uri}: refused to these credentials; check the policy statement "
+                     f"that allows {action} on {arn} ({where})")
+
+
+def shipped_statements(action: str, arn: str, bucket: str) -> list[str]:
+    """'file Sid' of each statement of the shipped policies that allows `action` on `arn` (YOUR-BUCKET read as
+    `bucket`); conditions are not evaluated."""
+    import fnmatch
+    import json
+
+    out = []
+    for f in sorted(_POLICY_DIR.glob("*.json")) if _POLICY_DIR.is_dir() else []:
+        try:
+            statements = json.loads(f.read_text()).get("Statement", [])
+        except (OSError, ValueError, AttributeError):
+            continue
+        for st in statements if isinstance(statements, list) else [statements]:
+            actions = st.get("Action", [])
+            resources = st.get("Resource", [])
+            actions, resources = ([x] if isinstance(x, str) else x for x in (actions, resources))
+            if st.get("Effect") == "Allow" and action in actions and any(
+                    fnmatch.fnmatchcase(arn, r.replace("YOUR-BUCKET", bucket)) for r in resources):
+                out.append(f"{f.name} {st.get('Sid', '(no Sid)')}")
+    return out
 
 
 def exists(uri: str) -> bool:
@@ -168,7 +227,13 @@ def open_counted(uri: str, counter: Optional[ReadCounter] = None) -> io.RawIOBas
     read is a ranged GET, so callers read in large pieces."""
     counter = counter or READS
     fs, path = resolve(uri)
-    f = fs.open_input_file(path)
+    try:
+        f = fs.open_input_file(path)
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        _raise_if_denied(uri, e)
+        raise
     counter.add(opens=1)
     return _CountedFile(f, counter)
 
@@ -317,21 +382,27 @@ def upload_dir(local_dir: str, uri: str) -> None:
 
 
 def delete_file(uri: str) -> None:
-    """Remove one object or file; a missing one is fine."""
+    """Remove one object or file; a missing one is fine, a refused one is not (it would stay and vouch)."""
     fs, path = resolve(uri)
     try:
         fs.delete_file(path)
-    except (FileNotFoundError, OSError):
-        pass
+    except (FileNotFoundError, OSError) as e:
+        _raise_if_denied(uri, e)
 
 
 def delete_dir(uri: str) -> None:
-    """Remove a directory tree; a missing one is fine."""
+    """Remove a directory tree; a missing one is fine, a refused one is not."""
     fs, path = resolve(uri)
     try:
         fs.delete_dir(path)
-    except (FileNotFoundError, OSError):
-        pass
+    except (FileNotFoundError, OSError) as e:
+        _raise_if_denied(uri, e)
+
+
+def _raise_if_denied(uri: str, err: BaseException) -> None:
+    denied = access_denied(uri, err)
+    if denied is not None:
+        raise denied from None
 
 
 def download_dir(uri: str, local_dir: str) -> str:

@@ -7,14 +7,18 @@ here, so bad input fails in a second with one line instead of after a cluster sp
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Callable, Optional
 
 from raytrain import faults, storage
 from raytrain.config import Config
+from raytrain.data import sources
 from raytrain.data.manifest import Split, load_split
 from raytrain.errors import UserError
 from raytrain.rundir import COMM_FAILURE, CONFIG, RunDir
 from raytrain.worker.runlog import read_summary
+
+HEALTH_CHECK_INTERVAL_S = 0.5  # Ray Train's worker poll (default 2 s): fault detection and the end of a run
 
 
 def check_inputs(cfg: Config) -> tuple[Split, Optional[Split]]:
@@ -22,9 +26,16 @@ def check_inputs(cfg: Config) -> tuple[Split, Optional[Split]]:
         raise UserError("data.train is not set: pass data.train=<prepared dataset>/train (see `raytrain prepare`)")
     deep = cfg.data.verify == "checksum"
     fmt = cfg.data.format
-    train = load_split(cfg.data.train, "data.train", checksums=deep, fmt=fmt)
+    if sources.is_mixture(cfg.data):
+        splits, vals = sources.load_sources(cfg.data, checksums=deep)
+        named = [(f"data.train source {s.name!r}", sp) for s, sp in zip(cfg.data.train, splits)]
+        named += [(f"data.train source {n!r} val", sp) for n, sp in vals.items()]
+        train = splits[0]  # vocabulary, end-of-text id, packing: one for all (checked); sizes: by the plan
+    else:
+        train = load_split(cfg.data.train, "data.train", checksums=deep, fmt=fmt)
+        named = [("data.train", train)]
     val = load_split(cfg.data.val, "data.val", checksums=deep, fmt=fmt) if cfg.data.val else None
-    for name, split in (("data.train", train), ("data.val", val)):
+    for name, split in named + [("data.val", val)]:
         if split is None:
             continue
         if split.seq_len != cfg.model.seq_len:
@@ -38,13 +49,34 @@ def check_inputs(cfg: Config) -> tuple[Split, Optional[Split]]:
         raise UserError(f"data.val's tokenizer has {val.vocab_size} tokens but the model has {vocab}; "
                         f"prepare both splits with the same tokenizer")
     mb = cfg.batch.micro_batch_size
+    if sources.is_mixture(cfg.data):
+        return train, val
     if mb > train.num_samples:
         raise UserError(f"batch.micro_batch_size={mb} is larger than data.train ({train.num_samples} sequences); "
                         f"use batch.micro_batch_size<={train.num_samples}")
     if cfg.global_batch > train.num_samples:
         raise UserError(f"global batch {cfg.global_batch} (micro_batch x accumulation x workers) is larger than "
                         f"data.train ({train.num_samples} sequences); lower batch.* or scaling.num_workers")
+    if cfg.model.lora.r:
+        from raytrain.lora import check_targets
+
+        check_targets(cfg.model, vocab)  # names that match no module fail here, not on every worker
     return train, val
+
+
+def _mixture(cfg: Config, log: Callable) -> tuple[Optional[dict], Optional[dict]]:
+    """A mixture's plan for the workers (its schedule recorded in the run directory) and its sources' val
+    splits; (None, None) for a single split."""
+    if not sources.is_mixture(cfg.data):
+        return None, None
+    from raytrain.ckpt import catalog
+
+    info = catalog.latest_complete(cfg.run_uri)
+    splits, vals = sources.load_sources(cfg.data)
+    mixture = sources.plan_mixture(cfg, splits, info.step if info else 0)
+    log("[raytrain] mixture " + ", ".join(f"{n} ({sp.num_samples:,} seqs)" for n, sp in zip(mixture["names"], splits))
+        + " | stages " + "; ".join(f"from step {s}: " + " ".join(f"{w:.3g}" for w in ws) for s, ws in mixture["stages"]))
+    return mixture, {n: v.to_dict() for n, v in vals.items()} or None
 
 
 def init_ray(cfg: Config, command: str = "train") -> bool:
@@ -85,6 +117,18 @@ def check_resume_compatible(cfg: Config) -> Config:
           f"{cfg.accumulation} -> {acc} for {dp} data-parallel workers", flush=True)
     batch = cfg.batch.model_copy(update={"gradient_accumulation_steps": acc, "global_batch_size": None})
     return cfg.model_copy(update={"batch": batch})
+
+
+def check_integrations(cfg: Config) -> None:
+    """Optional extras the config asks for, checked at submit: one line now, not a warning from every worker (a
+    tracker) or a failed evaluation much later (a task name, the harness)."""
+    from raytrain.worker.trackers import check_installed
+
+    check_installed(cfg)
+    if cfg.eval.tasks:
+        from raytrain.eval_harness import check_tasks
+
+        check_tasks(cfg.eval.tasks, cfg.eval.include_path)
 
 
 def check_cluster(cfg: Config, local: bool) -> None:
@@ -136,6 +180,14 @@ def _root_user_error(err: BaseException) -> Optional[str]:
     return _root_user_error(cause) if cause else None
 
 
+def failure_line(err: BaseException, run_uri: str) -> Optional[str]:
+    """The one line to print for a failed fit: our UserError from a worker, or an S3 refusal of Ray Train's own
+    calls on the run storage (its controller creates the run directory with the worker node's role)."""
+    msg = _root_user_error(err)
+    denied = storage.access_denied(run_uri, err) if msg is None else None
+    return str(denied) if denied is not None else msg
+
+
 def _trainer_class():
     """TorchTrainer with two Ray 2.60 warts removed (raytrain/ray_internals.py says why).
 
@@ -170,20 +222,20 @@ def train(cfg: Config, log: Callable[[str], None] = print, inject: Optional[dict
 
     from raytrain.model import apply_init_from
     from raytrain.worker.loop import train_loop_per_worker
-    from raytrain.worker.trackers import check_installed as check_trackers
 
     cfg = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(
         update={"storage": storage.absolute(cfg.checkpoint.storage)})})
     train_split, val_split = check_inputs(cfg)
-    check_trackers(cfg)  # a tracker's library missing: one line now, not a warning from every worker later
+    check_integrations(cfg)
     cfg = apply_init_from(cfg, train_split.tokenizer_uri, log)  # fine-tuning: shape from the model dir
     storage.check_writable(cfg.run_uri)
     cfg = check_resume_compatible(cfg)
     log(f"[raytrain] run {cfg.run.name} -> {cfg.run_uri} | global batch {cfg.global_batch} sequences = "
         f"{cfg.batch.micro_batch_size} micro x {cfg.accumulation} accumulation x {cfg.scaling.num_workers} workers")
     o = cfg.optim
+    mixture, val_sources = _mixture(cfg, log)
     log(f"[raytrain] data {train_split.num_samples:,} x {train_split.seq_len} tokens ({train_split.format}, "
-        f"{len(train_split.shard_uris)} shards) from {train_split.uri}"
+        f"{len(train_split.shard_uris)} shards) from {train_split.uri}{' and the other sources' if mixture else ''}"
         + (f", val {val_split.num_samples:,}" if val_split else ", no validation")
         + f" | {cfg.run.max_steps} steps, AdamW lr {o.lr:g} warmup {o.warmup_steps} {o.decay}, clip {o.grad_clip:g}")
     storage.write_text(RunDir(cfg.run_uri).uri(CONFIG), cfg.to_yaml())
@@ -194,10 +246,15 @@ def train(cfg: Config, log: Callable[[str], None] = print, inject: Optional[dict
     if s.use_gpu:
         resources["GPU"] = s.gpus_per_worker
     storage_path, fs = storage.ray_storage(cfg.checkpoint.storage)
+    # Ray Train's controller polls the workers every 2 s by default, and a dead worker, like the end of every
+    # run, waits for the next poll; 0.5 s costs it a few small actor calls a second (docs/FAULT_TOLERANCE.md).
+    # Ray passes the driver's value on to the controller; one set by the user wins.
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", str(HEALTH_CHECK_INTERVAL_S))
     trainer = _trainer_class()(
         train_loop_per_worker,
         train_loop_config={"config": cfg.to_dict(), "train_split": train_split.to_dict(),
                            "val_split": val_split.to_dict() if val_split else None,
+                           "mixture": mixture, "val_sources": val_sources,
                            "inject": inject if inject is not None else faults.from_env()},
         torch_config=TorchConfig(backend="nccl" if s.use_gpu else "gloo", timeout_s=s.collective_timeout_s),
         scaling_config=ScalingConfig(num_workers=s.num_workers, use_gpu=s.use_gpu, resources_per_worker=resources),
@@ -212,17 +269,29 @@ def train(cfg: Config, log: Callable[[str], None] = print, inject: Optional[dict
             logging_config=LoggingConfig(log_level="WARNING"),  # worker-group start/stop lines: Ray's logs only
         ),
     )
-    # Node time by market and lost nodes, for `raytrain cost` (raytrain/cost.py).
+    _fit(trainer, cfg)
+    summary = read_summary(cfg.run_uri)
+    if summary is None:
+        raise RuntimeError(f"training finished but wrote no summary.json under {cfg.run_uri}")
+    return summary
+
+
+def _fit(trainer, cfg: Config) -> None:
+    """trainer.fit(), with the run's node records and host-memory snapshots around it; our errors as one line."""
+    from raytrain.ckpt.node_memory import release_run as release_memory
     from raytrain.cost import NodeRecorder
 
+    # Node time by market and lost nodes, for `raytrain cost` (raytrain/cost.py).
     recorder = NodeRecorder(cfg.run_uri) if cfg.cost.record_nodes else contextlib.nullcontext()
     comm_file = RunDir(cfg.run_uri).uri(COMM_FAILURE)
     storage.delete_file(comm_file)  # an earlier submission's diagnosis is not this one's
+    # Host-memory snapshots live only while the run does: a killed driver's are removed here, the rest in finally.
+    release_memory(cfg.run_uri, cfg.checkpoint.memory_dir)
     try:
         with recorder:
             trainer.fit()
     except Exception as e:  # noqa: BLE001 - Ray wraps worker errors; surface ours as one line
-        msg = _root_user_error(e)
+        msg = failure_line(e, cfg.run_uri)
         # Ours in full (Ray truncates a worker's error text); or, on NCCL, the watchdog killed the worker
         # before Python could raise, and the diagnosis filed just before is all there is.
         if (msg is None or "CommunicationError: " in str(e)) and storage.exists(comm_file):
@@ -230,7 +299,5 @@ def train(cfg: Config, log: Callable[[str], None] = print, inject: Optional[dict
         if msg:
             raise UserError(msg) from None
         raise
-    summary = read_summary(cfg.run_uri)
-    if summary is None:
-        raise RuntimeError(f"training finished but wrote no summary.json under {cfg.run_uri}")
-    return summary
+    finally:
+        release_memory(cfg.run_uri, cfg.checkpoint.memory_dir)

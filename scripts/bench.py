@@ -6,10 +6,15 @@ Parts (see scripts/benchkit/parts.py):
   checkpoint  save / restore MB/s to a local S3-protocol server (moto) vs raw boto3; async vs sync upload stall
   recovery    seconds from a worker SIGKILL to the first resumed step; steps lost; tokens/s after vs before
   gpu         MFU of GPT-2-124M and a ~1B Llama in bf16 vs plain PyTorch + DeepSpeed (skipped without CUDA)
-  dataplane   the sample plan alone at N = 8..1024 on a synthetic 1 TB manifest: read amplification, per-worker cost
+  dataplane   the sample plan alone at N = 8..1024 on a synthetic 1 TB manifest: read amplification, per-worker cost;
+              the same for data mixtures of 2 and 8 sources (the worst source's read amplification)
   dataplane_runs  real CPU runs under the plan at 1, 2, 4 workers, Parquet and WebDataset, local and S3 (moto):
               read amplification, rows and bytes read per worker, data wait (the runs' own counters)
+  trackers    step time with W&B (offline) + MLflow (local server) vs without; the loop's pause to hand a checkpoint
+              to a downstream (lm-eval) evaluation task
   memory      peak host RSS per worker of a ~322M ZeRO-3 model at 1, 2 and 4 workers vs 1 worker (not in the default set)
+  serve       `raytrain serve` over HTTP (the demo-sized model): P50 / P99 latency and requests/s at concurrency 1
+              and 8, cold and warm apart, vs a plain transformers generate loop in one process
 
 Usage: .venv/bin/python scripts/bench.py [--quick] [--parts overhead,ingest,...] [--json out.json] [--markdown]
 --quick finishes in under 10 minutes on 2 CPU cores. Everything runs on 127.0.0.1.
@@ -30,7 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-PARTS = ("overhead", "ingest", "checkpoint", "recovery", "gpu", "dataplane", "dataplane_runs")
+PARTS = ("overhead", "ingest", "checkpoint", "recovery", "gpu", "dataplane", "dataplane_runs", "trackers", "serve")
 EXTRA_PARTS = ("memory",)  # run only when named in --parts: ~10 GB of RAM across its workers
 
 
@@ -117,7 +122,7 @@ def main(argv: list[str] | None = None) -> dict:
         data = None
         if set(parts) & {"checkpoint", "dataplane_runs"}:
             # Before any Ray instance starts, so that its workers inherit the endpoint and credentials.
-            from tests.conftest import start_moto
+            from tests.helpers import start_moto
 
             moto, endpoint = start_moto()
             os.environ.update({"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "bench",
@@ -126,11 +131,11 @@ def main(argv: list[str] | None = None) -> dict:
             import boto3
 
             boto3.client("s3").create_bucket(Bucket="bench")
-        if set(parts) & {"overhead", "ingest", "recovery"}:
+        if set(parts) & {"overhead", "ingest", "recovery", "serve"}:
             t = time.perf_counter()
             data = P.prepare_data(os.path.join(tmp, "data"), 300_000 if args.quick else 1_500_000)
             print(f"dataset prepared in {time.perf_counter() - t:.1f}s", flush=True)
-        if set(parts) & {"overhead", "ingest", "recovery", "dataplane_runs"}:
+        if set(parts) & {"overhead", "ingest", "recovery", "dataplane_runs", "trackers"}:
             import ray
 
             # Logical CPUs above the 2 training workers, so Ray Data always has room (pitfalls #1).
@@ -182,19 +187,30 @@ def main(argv: list[str] | None = None) -> dict:
             section("5. GPU MFU (bf16, SDPA) vs plain PyTorch + DeepSpeed",
                     lambda: P.gpu(tmp, args.quick))
         if "dataplane" in parts:
-            from benchkit.dataplane import dataplane
+            from benchkit.dataplane import dataplane, mixture_figures
 
             section("6. dataplane: the sample plan alone (no data), 1 TB of 2049-token rows in 1024-row units",
                     dataplane)
+            section("6b. dataplane: mixtures of 2 and 8 sources of different sizes, the same 1 TB", mixture_figures)
         if "dataplane_runs" in parts:
             from benchkit.dataplane import runs as dataplane_runs
 
             section("7. dataplane_runs: training under the plan, 1/2/4 workers, Parquet/WebDataset, local/S3",
                     lambda: dataplane_runs(tmp, s3="s3://bench/dataplane", quick=args.quick))
+        if "trackers" in parts:
+            from benchkit.trackers import trackers
+
+            section("9. trackers: step time with W&B + MLflow vs without; hand-over to an evaluation task",
+                    lambda: trackers(tmp, args.quick))
         if "memory" in parts:
             from benchkit.memory import memory
 
             section("8. memory: peak host RSS per worker, ZeRO-3, 1 / 2 / 4 workers", memory)
+        if "serve" in parts:
+            from benchkit.serving import serve
+
+            section("9. serve: raytrain serve over HTTP vs a plain transformers generate loop, same model, prompts "
+                    "and max_tokens", lambda: serve(tmp, data, args.quick))
     finally:
         if moto is not None:
             moto.terminate()

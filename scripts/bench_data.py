@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def _moto() -> tuple[subprocess.Popen, str]:
-    from tests.conftest import start_moto  # the same local S3 server the tests use
+    from tests.helpers import start_moto  # the same local S3 server the tests use
 
     proc, endpoint = start_moto()
     os.environ.update({"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",

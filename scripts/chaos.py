@@ -118,10 +118,12 @@ class Harness:
                 ev = json.load(open(req))
                 k = self._node_index(ev["node_id"])
                 t = time.time()
-                self.add_node()  # the replacement an autoscaler would bring
                 if ev["action"] == "REMOVE_NODE":
+                    self.add_node()  # the replacement an autoscaler would bring
                     self.kill_node(k)
                 else:
+                    # The notice first, then the replacement: a node joining takes tens of seconds on a loaded
+                    # machine, and a notice that late found the run already past the drained step.
                     import ray
                     from ray.core.generated import autoscaler_pb2
 
@@ -131,6 +133,7 @@ class Harness:
                                    "chaos drill: spot interruption notice", deadline_ms)
                     threading.Timer(self.deadline_s + 1, self.kill_node, args=(k,)).start()
                     open(req[:-len(".request")] + ".ack", "w").close()
+                    self.add_node()
                 self.log.append({"action": ev["action"], "node_id": ev["node_id"], "time": t})
             time.sleep(0.2)
 

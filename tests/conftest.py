@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from raytrain.data.prepare import PrepareConfig, prepare
-from tests.helpers import start_moto, synthetic_docs
+from tests.helpers import start_moto, synthetic_docs, write_lm_eval_tasks
 
 
 @pytest.fixture(scope="session")
@@ -66,3 +66,9 @@ def ray_cluster(s3_server):
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def lm_eval_tasks(tmp_path_factory) -> Path:
+    """A directory of harness task YAMLs over the JSONL the tests ship (tests/helpers.py write_lm_eval_tasks)."""
+    return write_lm_eval_tasks(tmp_path_factory.mktemp("lm_eval_tasks"))

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -32,15 +33,20 @@ def synthetic_docs(n_docs: int = 120, seed: int = 0) -> list[str]:
     return docs
 
 
-def tiny_cfg(data: Path | str, storage: Path | str, name: str, *overrides: str):
-    """The smallest useful run: 2 workers, ZeRO-2, a 1-layer GPT on 32-token sequences."""
-    return load_config("tiny", [
+def tiny_overrides(data: Path | str, storage: Path | str, name: str, *overrides: str) -> list[str]:
+    """The overrides of the smallest useful run (recipe `tiny`), as `raytrain train` takes them."""
+    return [
         f"data.train={data}/train", f"data.val={data}/val", f"checkpoint.storage={storage}", f"run.name={name}",
         "model.n_layer=1", "model.hidden_size=32", "model.n_head=2", "model.seq_len=32",
         "batch.micro_batch_size=4", "optim.lr=3e-3", "optim.warmup_steps=2", "run.log_every=1",
         "run.eval_every=0", "data.eval_samples=16", "checkpoint.every_n_steps=5", "run.max_steps=10",
         "run.max_failures=0", *overrides,
-    ])
+    ]
+
+
+def tiny_cfg(data: Path | str, storage: Path | str, name: str, *overrides: str):
+    """The smallest useful run: 2 workers, ZeRO-2, a 1-layer GPT on 32-token sequences."""
+    return load_config("tiny", tiny_overrides(data, storage, name, *overrides))
 
 
 def free_port() -> int:
@@ -49,12 +55,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_moto() -> tuple[subprocess.Popen, str]:
-    """Start a moto S3 server on a free 127.0.0.1 port; returns (process, endpoint) once it listens."""
+def start_moto(log_path: Optional[str] = None) -> tuple[subprocess.Popen, str]:
+    """Start a moto S3 server on a free 127.0.0.1 port; returns (process, endpoint) once it listens. With log_path,
+    its request log (one line per request) goes there."""
     port = free_port()
     exe = shutil.which("moto_server", path=os.path.dirname(sys.executable)) or "moto_server"
-    proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    if log_path is None:
+        proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+    else:
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=subprocess.STDOUT)
     for _ in range(100):
         try:
             socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
@@ -102,3 +113,28 @@ def mlflow_server_exe() -> str:
         pytest.skip(f"could not install an MLflow server ({MLFLOW_SERVER}) into {root}: {detail}")
     return str(exe)
 
+
+
+def write_lm_eval_tasks(d: Path) -> Path:
+    """A directory of lm-evaluation-harness task YAMLs over the JSONL the tests ship (no Hub download on these
+    machines): `raytrain_tiny_mc`, a 24-question multiple-choice task. Returns d."""
+    data = Path(__file__).parent / "data" / "lm_eval" / "raytrain_tiny_mc.jsonl"
+    (d / "raytrain_tiny_mc.yaml").write_text(f"""task: raytrain_tiny_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+  - metric: acc_norm
+    aggregation: mean
+    higher_is_better: true
+""")
+    return d

@@ -15,6 +15,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
+STEPS = 100
 
 
 def test_demo_from_an_empty_home_creates_a_token_and_prints_a_short_clean_log(tmp_path):
@@ -28,8 +29,10 @@ def test_demo_from_an_empty_home_creates_a_token_and_prints_a_short_clean_log(tm
     env.update(HOME=str(home), RAYTRAIN_DEMO_DATA=str(tmp_path / "data"), RAYTRAIN_DEMO_RUNS=str(tmp_path / "runs"),
                # Ports of its own: the session cluster of other tests may be running.
                RAYTRAIN_DEMO_PORT="6395", RAYTRAIN_DEMO_DASHBOARD_PORT="8295")
-    out = subprocess.run([str(ROOT / "scripts" / "demo.sh")], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=900)
+    # A third of the demo's 300 steps (an override, as the README shows): the same commands and output, ~80 s less
+    # of the suite's budget; validation perplexity halves well within 100 steps (2085 -> 405 at step 100).
+    out = subprocess.run([str(ROOT / "scripts" / "demo.sh"), f"run.max_steps={STEPS}"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=900)
     text = out.stdout + out.stderr
     (tmp_path / "demo.log").write_text(text)  # what a person saw, kept for a failure's reader
     assert out.returncode == 0, text[-4000:]
@@ -43,7 +46,7 @@ def test_demo_from_an_empty_home_creates_a_token_and_prints_a_short_clean_log(tm
     runs = list((tmp_path / "runs").iterdir())
     assert len(runs) == 1
     summary = json.loads((runs[0] / "summary.json").read_text())
-    assert summary["steps"] == 300 and summary["val_ppl"] < 0.5 * summary["initial_val_ppl"]
+    assert summary["steps"] == STEPS and summary["val_ppl"] < 0.5 * summary["initial_val_ppl"]
     # The data plane keeps up: training hardly ever waits for data. (Read amplification is not bounded here:
     # the demo's few large shards and its end mid-way through an epoch read whole units it trains part of.)
     assert summary["data_wait_frac_mean"] <= 0.01, summary
@@ -60,7 +63,7 @@ def test_demo_from_an_empty_home_creates_a_token_and_prints_a_short_clean_log(tm
     assert any("MFU" in line for line in shown) and (home / ".cache" / "raytrain" / "cpu_peak.json").is_file()
     for bad in ("warning", "TrainingReport", "Traceback"):
         assert not [line for line in shown if bad.lower() in line.lower()], (bad, "\n".join(shown))
-    progress = [line for line in shown if re.match(r"\[raytrain\] step \d+/300 \| loss", line)]
-    assert 5 <= len(progress) <= 12, "\n".join(shown)
-    assert any("ckpt checkpoint_00000300" in line for line in progress), "\n".join(progress)
+    progress = [line for line in shown if re.match(rf"\[raytrain\] step \d+/{STEPS} \| loss", line)]
+    assert 4 <= len(progress) <= 12, "\n".join(shown)  # every 25 steps (the recipe logs every 25)
+    assert any(f"ckpt checkpoint_{STEPS:08d}" in line for line in progress), "\n".join(progress)
     assert not out.stderr.strip(), out.stderr[-2000:]

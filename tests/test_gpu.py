@@ -142,12 +142,15 @@ def test_crash_and_resume_on_gpu_reproduces_the_uninterrupted_run(gpu_ray, tiny_
     common = ("run.max_steps=12", "checkpoint.every_n_steps=4", "model.attn_implementation=eager")
     base = gpu_cfg(tiny_data, tmp_path, "gpu-baseline", *common)
     train(base, log=_quiet)
-    cfg = gpu_cfg(tiny_data, tmp_path, "gpu-crash", *common, "run.max_failures=1")
+    cfg = gpu_cfg(tiny_data, tmp_path, "gpu-crash", *common, "run.max_failures=1", "checkpoint.memory=true")
     summary = train(cfg, log=_quiet, inject={"crash_at_step": 6, "marker": str(tmp_path / "crashed"), "rank": 0})
     assert (tmp_path / "crashed").exists(), "the fault was not injected"
     assert summary["restarts"] == 1 and summary["steps"] == 12
     attempts = [json.loads(x) for x in (tmp_path / "gpu-crash" / "attempts.jsonl").read_text().splitlines()]
-    assert [a["resumed_step"] for a in attempts] == [0, 4]
+    # From host memory: the newest snapshot both ranks hold is step 5's (rank 0 died before copying step 6's).
+    assert [a["resumed_step"] for a in attempts] == [0, 5]
+    (rec,) = [json.loads(x) for x in (tmp_path / "gpu-crash" / "restores.jsonl").read_text().splitlines()]
+    assert rec["source"] == "memory:local" and rec["step"] == 5, rec
     want, got = _losses(base.run_uri), _losses(cfg.run_uri)
     assert sorted(got) == list(range(1, 13))
     assert _crcs(cfg.run_uri) == _crcs(base.run_uri)

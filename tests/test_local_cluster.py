@@ -136,7 +136,15 @@ def test_spot_job_scales_from_zero_survives_a_reclaim_and_finishes(fake_cluster,
     summary = json.loads(storage.read_text(storage.join(run_uri, "summary.json")))
     assert summary["steps"] == steps and summary["restarts"] >= 1, summary
     attempts = [json.loads(x) for x in storage.read_text(storage.join(run_uri, "attempts.jsonl")).splitlines()]
-    assert len(attempts) >= 2 and attempts[-1]["resumed_step"] >= 10 and attempts[-1]["resumed_step"] % 10 == 0
+    assert len(attempts) >= 2 and attempts[-1]["resumed_step"] >= 10
+    # From a checkpoint (every 10 steps), or from host memory: the survivor's own snapshot and the reclaimed
+    # node's rank's peer copy on the survivor (memory:peer), at the step the stall held both ranks.
+    restored = json.loads(storage.read_text(storage.join(run_uri, "restores.jsonl")).splitlines()[-1])
+    print(f"[test] resumed at step {attempts[-1]['resumed_step']} from {restored.get('source')}")
+    if restored["source"] == "storage":
+        assert attempts[-1]["resumed_step"] % 10 == 0, attempts
+    else:
+        assert restored["source"] in ("memory:peer", "memory:local") and restored["step"] == attempts[-1]["resumed_step"]
     logged = [json.loads(x)["step"] for x in storage.read_text(storage.join(run_uri, "metrics.jsonl")).splitlines()
               if "loss" in json.loads(x)]
     assert logged == sorted(set(logged)) and logged[-1] == steps, logged
@@ -167,20 +175,21 @@ def _submit(dash: int, env: dict, overrides: list[str], log_path: Path, timeout_
     return text
 
 
-def test_zero2_and_zero3_restore_on_two_nodes_each_node_downloads_its_part(fake_cluster, tiny_data, tmp_path):
+def test_zero3_restore_on_two_nodes_each_node_downloads_its_part(fake_cluster, tiny_data, tmp_path):
     """Checkpoints on the S3 server, one training worker per spot node: a restore downloads, per node, only what
-    its rank reads (its optimizer partitions and the shared files), never the whole checkpoint, and the steps
-    trained after it reproduce the uninterrupted run's losses. The restore is the one every resume goes through
-    (a crash, a reclaim, a resubmission): here `raytrain ckpt rollback` to checkpoint 4 of a finished 8-step run,
-    which costs CI one training attempt less per stage than a crash plus a separate uninterrupted run.
+    its rank reads (its partitions of the weights and optimizer state, and the shared files), never the whole
+    checkpoint, and the steps trained after it reproduce the uninterrupted run's losses. The restore is the one
+    every resume goes through (a crash, a reclaim, a resubmission): here `raytrain ckpt rollback` to checkpoint 4 of
+    a finished 8-step run, which costs CI one training attempt less than a crash plus a separate uninterrupted run.
 
-    bf16, as GPU runs train, and a model (hidden 128) whose states outweigh the files' fixed overhead: every node
-    reads ZeRO-2's 16-bit weights, so its share at N = 2 is at least (2 + 6) / 14 = 0.57 in bf16 (0.625 in fp32)."""
+    ZeRO-3 only: ZeRO-2's per-rank reads are checked on one node (tests/test_train.py, the S3 resubmission), and
+    two more jobs here cost the suite ~75 s. bf16, as GPU runs train, and a model (hidden 128) whose states
+    outweigh the files' fixed overhead: each node's share at N = 2 is about half."""
     from raytrain.ckpt import catalog
 
     port, dash, env = fake_cluster
     store = "s3://raytrain-test/cluster-runs"
-    for stage in (2, 3):
+    for stage in (3,):
         run = f"restore-z{stage}"
         run_uri = storage.join(store, run)
         overrides = [

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from raytrain.rundir import METRICS, RunDir
 from raytrain.worker.metrics import ACCELERATOR_ONLY, CATALOGUE, PHASES
 from tests.helpers import ensure_prometheus, free_port
 
@@ -82,7 +83,7 @@ def test_prometheus_scrapes_raytrain_series(tiny_data, tmp_path):
         overrides = [f"data.train={tiny_data}/train", f"data.val={tiny_data}/val", f"checkpoint.storage={tmp_path}",
                      "run.name=prom", "model.n_layer=1", "model.hidden_size=32", "model.n_head=2", "model.seq_len=32",
                      "batch.micro_batch_size=4", "optim.lr=3e-3", "optim.warmup_steps=2", "run.log_every=1",
-                     "run.eval_every=10", "data.eval_samples=16", "checkpoint.every_n_steps=10", "run.max_steps=30",
+                     "run.eval_every=10", "data.eval_samples=16", "checkpoint.every_n_steps=5", "run.max_steps=20",
                      "run.max_failures=0", "scaling.data_cpus=2", "metrics.cpu_peak_tflops=0.1",
                      # a threshold every step crosses: the rule fires and its counter reaches Prometheus
                      "health.grad_norm_max=1e-9", "health.grace_steps=0"]
@@ -92,13 +93,15 @@ def test_prometheus_scrapes_raytrain_series(tiny_data, tmp_path):
                                capture_output=True, text=True, timeout=900, cwd=str(tmp_path))
         assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-3000:]
         summary = json.loads(next(x for x in child.stdout.splitlines() if x.startswith("SUMMARY "))[8:])
-        assert summary["steps"] == 30
+        assert summary["steps"] == 20
         time.sleep(2)  # the last scrape is ingested
 
         gb_tokens = 8 * 32  # global batch 8 sequences (2 workers x micro 4) x 32 tokens
         # Instant queries see only live series; look back over the run instead.
         seen = {m for m in CATALOGUE if _query(base, f"count_over_time({m}[10m])")}
-        assert seen == set(CATALOGUE) - ACCELERATOR_ONLY, set(CATALOGUE) - ACCELERATOR_ONLY - seen
+        # raytrain_eval_score comes with downstream evaluations (eval.tasks), which this run does not set.
+        want = set(CATALOGUE) - ACCELERATOR_ONLY - {"raytrain_eval_score"}
+        assert seen == want, want - seen
         # Names, not an *_over_time over many metrics: that drops __name__ and Prometheus rejects the
         # colliding label sets with HTTP 422.
         names = set(_get(base, "/api/v1/label/__name__/values"))
@@ -108,12 +111,16 @@ def test_prometheus_scrapes_raytrain_series(tiny_data, tmp_path):
         steps = _values(base, "max_over_time(raytrain_step[10m])")
         assert {dict(k)["worker"] for k in steps} == {"0", "1"} and {dict(k)["run"] for k in steps} == {"prom"}
         # The last steps' values can be lost with the workers at the end of the run: ask for most of them.
-        assert 25 <= max(steps.values()) <= 30
+        assert 15 <= max(steps.values()) <= 20
         per_step = _values(base, "max_over_time((raytrain_tokens_seen / raytrain_step)[10m:1s])")
         assert set(per_step.values()) == {gb_tokens}
-        loss = _values(base, 'min_over_time(raytrain_loss{worker="0"}[10m])')
-        first = _values(base, 'max_over_time(raytrain_loss{worker="0"}[10m])')
-        assert 0 < min(loss.values()) < max(first.values()) < math.log(300) + 1  # falls from about ln(vocab)
+        # Scrapes sample the loss gauge (a busy machine may see only one value): what they saw is a loss the
+        # run logged, below the first step's (about ln(vocab)).
+        logged = [r["loss"] for r in RunDir(str(tmp_path / "prom")).read_jsonl(METRICS) if "loss" in r]
+        low = min(_values(base, 'min_over_time(raytrain_loss{worker="0"}[10m])').values())
+        high = max(_values(base, 'max_over_time(raytrain_loss{worker="0"}[10m])').values())
+        assert logged[0] < math.log(300) + 1 and 0 < low <= high and low < logged[0]
+        assert any(abs(x - low) < 1e-4 for x in logged), (low, logged)
         ppl = max(_values(base, "max_over_time(raytrain_val_perplexity[10m])").values())
         assert 1 < ppl < 400
         lr = max(_values(base, "max_over_time(raytrain_learning_rate[10m])").values())
@@ -129,9 +136,9 @@ def test_prometheus_scrapes_raytrain_series(tiny_data, tmp_path):
         assert all(0 <= v < 60 for v in phases.values())
         rss = _values(base, "max_over_time(raytrain_host_memory_rss_bytes[10m])")
         assert all(50 * 2**20 < v < 20 * 2**30 for v in rss.values())
-        assert 2 <= max(_values(base, "max_over_time(raytrain_checkpoints_total[10m])").values()) <= 3
+        assert 3 <= max(_values(base, "max_over_time(raytrain_checkpoints_total[10m])").values()) <= 4
         fired = _values(base, 'max_over_time(raytrain_health_violations_total{rule="grad_norm"}[10m])')
-        assert fired and 25 <= max(fired.values()) <= 30  # every log step crossed the threshold, each counted
+        assert fired and 15 <= max(fired.values()) <= 20  # every log step crossed the threshold, each counted
         assert min(_values(base, "max_over_time(raytrain_restarts[10m])").values()) == 0
 
         with urllib.request.urlopen(f"{base}/api/v1/rules", timeout=10) as r:

@@ -1,9 +1,10 @@
 """`raytrain serve` on a real Ray Serve application on 127.0.0.1, and `raytrain check --url` against it.
 
-One tiny run is trained for the module (checkpoints at steps 5 and 10, step 5 tagged v1.0); one
-`raytrain serve RUN@v1.0 --canary RUN --canary-fraction 0.5` subprocess (its own local Ray, both
-checkpoints exported on the fly) serves every test, which is why the order of the tests matters: the
-canary is rolled back, and the server interrupted, at the end.
+Two tiny runs are trained for the module: a pre-training run (checkpoints at steps 5 and 10, step 5 tagged v1.0)
+and a LoRA fine-tune on chat examples (the fine-tuned result a user serves). One `raytrain serve RUN@v1.0 --canary
+FINE_TUNE --canary-fraction 0.5` subprocess (its own local Ray, both exported on the fly, the adapter merged)
+serves every test, which is why the order of the tests matters: the canary is rolled back, and the server
+interrupted, at the end.
 """
 
 import json
@@ -19,6 +20,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from raytrain.ckpt import catalog
@@ -48,24 +50,39 @@ def _get(url: str, path: str) -> tuple[int, dict]:
         return e.code, json.loads(e.read())
 
 
+WORDS = "one two three four five six seven eight nine ten".split()
+
+
 @pytest.fixture(scope="module")
 def run(ray_cluster, tiny_data, tmp_path_factory):
+    """(pre-training run URI, its summary, the fine-tune's run URI, its summary)."""
+    from raytrain.data.prepare import PrepareConfig, prepare
+
     root = tmp_path_factory.mktemp("serve")
     cfg = tiny_cfg(tiny_data, root, "served", "scaling.num_workers=1")  # one rank: the cheapest real checkpoints
     summary = train(cfg, log=lambda *_: None)
     catalog.tag(cfg.run_uri, STABLE, step=5)
-    return cfg.run_uri, summary
+    # Chat examples (the user counts from a word, the assistant goes on), rendered with raytrain's default
+    # template, the one serving renders chat requests with; LoRA on 1 rank, 10 steps.
+    chats = [{"messages": [{"role": "user", "content": f"count on from {WORDS[i % 7]}"},
+                           {"role": "assistant", "content": " ".join(WORDS[i % 7 + 1:i % 7 + 4])}]} for i in range(300)]
+    (root / "chats.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats))
+    prepare(PrepareConfig(inputs=[str(root / "chats.jsonl")], out=str(root / "chat"), format="chat", vocab_size=300,
+                          seq_len=32, val_fraction=0.1, near_dup_threshold=1.0, engine="local"), log=lambda *_: None)
+    ft = tiny_cfg(root / "chat", root, "fine-tuned", "scaling.num_workers=1", "model.lora.r=4",
+                  "model.lora.target_modules=[c_attn,c_fc]", "optim.lr=3e-2")
+    return cfg.run_uri, summary, ft.run_uri, train(ft, log=lambda *_: None)
 
 
 @pytest.fixture(scope="module")
 def server(run, tmp_path_factory):
-    run_uri, summary = run
+    run_uri, summary, ft_uri, ft_summary = run
     d = tmp_path_factory.mktemp("server")
     port, metrics_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0", RAY_metrics_report_interval_ms="1000")
     log = (d / "serve.log").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "raytrain", "serve", f"{run_uri}@{STABLE}", "--canary", run_uri,
+    proc = subprocess.Popen([sys.executable, "-m", "raytrain", "serve", f"{run_uri}@{STABLE}", "--canary", ft_uri,
                              "--canary-fraction", "0.5", "--port", str(port), "--metrics-port", str(metrics_port),
                              "--ready-file", str(d / "ready.json")], env=env, stdout=log, stderr=subprocess.STDOUT,
                             cwd=str(d))
@@ -76,7 +93,7 @@ def server(run, tmp_path_factory):
             pytest.fail(f"raytrain serve did not come up (rc {proc.poll()}): {(d / 'serve.log').read_text()[-3000:]}")
         time.sleep(0.5)
     info = {"url": f"http://127.0.0.1:{port}", "metrics": f"http://127.0.0.1:{metrics_port}/metrics", "proc": proc,
-            "log": d / "serve.log", "run_uri": run_uri, "summary": summary}
+            "log": d / "serve.log", "run_uri": run_uri, "summary": summary, "ft_summary": ft_summary}
     yield info
     if proc.poll() is None:  # the last test interrupts it; this is for a failed run
         proc.kill()
@@ -135,6 +152,14 @@ def test_openai_api_parses_shapes_and_streams_without_a_server():
     events = list(openai_api.chunks(p, [result] * 4, "v1"))
     assert "".join(e["choices"][0]["text"] for e in events if e["choices"][0]["index"] == 0) == "a bcd"
     assert events[2]["choices"][0]["logprobs"]["text_offset"] == [4]
+    # As a replica streams it: the echo once accepted, tokens as generated, the rest with the result.
+    q = openai_api.parse_completion({"prompt": "a b", "echo": True, "stream": True,
+                                     "stream_options": {"include_usage": True}})
+    shape = openai_api.StreamShaper(q, "v1")
+    out = shape.event(0, {"start": {"prompt_pieces": ["a", " b"], "prompt_tokens": 2}})
+    out += shape.event(0, {"pieces": ["c"]}) + shape.event(0, {"result": result}) + shape.close()
+    assert [c["choices"][0]["text"] for c in out[:-1]] == ["a b", "c", "d", ""] and out[-2]["choices"][0][
+        "finish_reason"] == "length" and out[-1]["usage"]["completion_tokens"] == 2
     assert list(openai_api.sse(iter([])))[-1] == "data: [DONE]\n\n"
     with pytest.raises(RequestError, match="'n' must be an integer in \\[1, 16\\]") as e:
         openai_api.parse_completion({"prompt": "a", "n": 0})
@@ -144,6 +169,43 @@ def test_openai_api_parses_shapes_and_streams_without_a_server():
     assert openai_api.render_chat(tok, msgs, fallback=openai_api.DEFAULT_CHAT_TEMPLATE) == "user: hi\nassistant:"
     with pytest.raises(RequestError, match="no chat template and the server was started with --chat-template none"):
         openai_api.render_chat(tok, msgs, fallback=None)
+
+
+def test_stream_lets_out_each_token_once_no_stop_string_can_take_it_back():
+    """A replica's token-by-token stream (no Ray): what it sends is always the start of what `finish` answers
+    (cut at end-of-text or the earliest stop string), and with nothing to cut it sends every token at once."""
+    import random
+
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    from raytrain.serving import streaming
+
+    vocab = {"<eot>": 0, "a": 1, "b": 2, "ab": 3, " ": 4, "ba": 5}
+    t = Tokenizer(models.WordLevel(vocab, unk_token="<eot>"))
+    t.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=t, eos_token="<eot>")
+    rng = random.Random(0)
+    for _ in range(400):
+        gen = [rng.randrange(len(vocab)) for _ in range(rng.randrange(0, 12))]
+        stops = ["".join(rng.choice("ab ") for _ in range(rng.randrange(1, 4))) for _ in range(rng.randrange(0, 3))]
+        sent, seen = [], []
+        feed = streaming.RowFeed(tok, eot=0, stops=stops, sink=lambda ev: sent.extend(ev["pieces"]))
+        for x in gen:
+            feed.add(x)
+            seen.append(len(sent))
+        r = streaming.finish(tok, gen, stops)
+        assert sent == r["gen_pieces"][:len(sent)], (gen, stops, sent, r)
+        if not stops:  # nothing can cut: each token goes out as it arrives, up to the end-of-text
+            n = gen.index(0) if 0 in gen else len(gen)
+            assert sent == r["gen_pieces"] and seen[:n] == list(range(1, n + 1)), (gen, sent)
+    # The streamer generate() calls: the prompt first (skipped), then one token per row and step.
+    rows = [[], []]
+    s = streaming.streamer([streaming.RowFeed(tok, eot=0, stops=[], sink=lambda ev, k=k: rows[k].extend(ev["pieces"]))
+                            for k in range(2)])
+    for step in ([[1, 2], [2, 2]], [1, 3], [0, 4], [0, 5]):
+        s.put(np.array(step))  # numpy stands in for generate()'s CPU tensors: the same reshape / tolist
+    assert rows == [["a"], ["ab", " ", "ba"]] and streaming.streamer([None, None]) is None
 
 
 @pytest.mark.slow
@@ -178,7 +240,7 @@ def test_openai_completions_models_and_health(server):
     by = {m["id"]: m for m in models["data"]}
     assert status == 200 and set(by) == {STABLE, CANARY}
     assert by[STABLE]["step"] == 5 and by[CANARY]["step"] == 10
-    assert by[STABLE]["params"] == by[CANARY]["params"] == server["summary"]["params"]
+    assert by[STABLE]["params"] == server["summary"]["params"] and by[CANARY]["params"] == server["ft_summary"]["params"]
     assert (by[STABLE]["role"], by[CANARY]["role"], by[CANARY]["traffic"]) == ("stable", "canary", 0.5)
     status, health = _get(url, "/healthz")
     assert status == 200 and health["status"] == "ok"
@@ -257,13 +319,13 @@ def client(server):
     return openai.OpenAI(base_url=server["url"] + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def _offline(server):
-    """The stable version's exported model and tokenizer, loaded as `raytrain eval` loads them."""
+def _offline(server, version: str = STABLE):
+    """A version's exported model and tokenizer, loaded as `raytrain eval` loads them."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     _, models = _get(server["url"], "/v1/models")
-    src = {m["id"]: m for m in models["data"]}[STABLE]["source"]
+    src = {m["id"]: m for m in models["data"]}[version]["source"]
     return AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(src)
 
 
@@ -324,6 +386,22 @@ def test_openai_client_streams_concatenate_to_the_unstreamed_text(server, client
     parts = list(client.completions.create(**args, stream=True))
     assert "".join(p.choices[0].text for p in parts) == whole.text
     assert parts[-1].choices[0].finish_reason == whole.finish_reason
+    # Token by token as generated: the first token's chunk comes about when a one-token answer would, not
+    # when the whole answer would (sent at the end, its chunks still arrive spread out: each crosses Serve's
+    # hops on its own). The fastest of three rounds each, so a stall of a loaded machine does not decide.
+    def timed(max_tokens: int, stream: bool) -> float:
+        t0 = time.perf_counter()
+        if not stream:
+            client.completions.create(model=STABLE, prompt="two", max_tokens=max_tokens, temperature=0)
+            return time.perf_counter() - t0
+        seen = [(time.perf_counter() - t0, p.choices[0].text) for p in client.completions.create(
+            model=STABLE, prompt="two", max_tokens=max_tokens, temperature=0, stream=True)]
+        assert sum(1 for _, text in seen if text) >= 12, seen  # a long continuation
+        return next(t for t, text in seen if text)
+
+    rounds = [(timed(1, False), timed(28, True), timed(28, False)) for _ in range(3)]
+    one, first, whole = (min(r[k] for r in rounds) for k in range(3))
+    assert first < one + (whole - one) * 2 / 3, rounds
     chat_args = {"model": STABLE, "messages": [{"role": "user", "content": "one two"}], "max_completion_tokens": 6,
                  "temperature": 0.7, "seed": 5}
     chat = client.chat.completions.create(**chat_args)
@@ -375,6 +453,33 @@ def test_openai_bad_input_is_an_openai_error_and_the_next_request_is_answered(se
         assert ok.choices[0].finish_reason in ("stop", "length"), body
     status, out = _post(server["url"], "/v1/completions", b'{"prompt": "one', "application/json")
     assert status == 400 and "not valid JSON" in out["error"]["message"]
+
+
+@pytest.mark.slow
+def test_the_lora_fine_tune_answers_chat_as_its_merged_export_does(server, client):
+    """The canary is a LoRA fine-tune on chat examples: served merged (a plain model directory, no adapter), it answers
+    chat requests through the official client, its prompt is the conversation rendered as in training, and its
+    log-probabilities are the merged model's offline."""
+    from raytrain.serving.check import offline_logprobs
+
+    model, tok = _offline(server, CANARY)
+    _, models = _get(server["url"], "/v1/models")
+    src = Path({m["id"]: m for m in models["data"]}[CANARY]["source"])
+    assert (src / "config.json").is_file() and not (src / "adapter_config.json").exists()  # merged
+    assert server["ft_summary"]["trainable_params"] < server["ft_summary"]["params"] / 4  # only the adapter trained
+    messages = [{"role": "user", "content": "count on from three"}]
+    chat = client.chat.completions.create(model=CANARY, messages=messages, max_completion_tokens=6, temperature=0)
+    msg = chat.choices[0].message
+    assert chat.model == CANARY and msg.role == "assistant" and isinstance(msg.content, str)
+    assert 1 <= chat.usage.completion_tokens <= 6 and chat.choices[0].finish_reason in ("stop", "length")
+    rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert chat.usage.prompt_tokens == len(tok(rendered)["input_ids"])
+    again = client.chat.completions.create(model=CANARY, messages=messages, max_completion_tokens=6, temperature=0)
+    assert again.choices[0].message.content == msg.content  # greedy: the same answer
+    text = rendered + msg.content
+    echo = client.completions.create(model=CANARY, prompt=text, max_tokens=0, echo=True, logprobs=0).choices[0]
+    offline = offline_logprobs(model, tok, text)
+    assert max(abs(a - b) for a, b in zip(echo.logprobs.token_logprobs[1:], offline)) <= 1e-4
 
 
 @pytest.mark.slow

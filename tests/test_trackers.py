@@ -1,6 +1,7 @@
 """Experiment trackers against real components: an MLflow tracking server on 127.0.0.1 (one per module),
 W&B in offline mode, an unreachable tracker, and bad tracker input (one line, exit 2)."""
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -15,50 +16,76 @@ from raytrain.trainer import train
 from tests.helpers import free_port, mlflow_server_exe, tiny_cfg
 
 
-@pytest.fixture(scope="module")
-def mlflow_server(tmp_path_factory):
-    """`mlflow server` on a free 127.0.0.1 port (sqlite backend); its whole process group is stopped after."""
-    pytest.importorskip("mlflow", reason="the MLflow client is not installed: pip install 'raytrain[mlflow]'")
+def _start_mlflow_server(d):
+    """`mlflow server` on a free 127.0.0.1 port (sqlite backend), in a process group of its own; (process, URI)."""
     exe = mlflow_server_exe()
-    d, port = tmp_path_factory.mktemp("mlflow"), free_port()
+    port = free_port()
     proc = subprocess.Popen([exe, "server", "--backend-store-uri", f"sqlite:///{d}/mlflow.db",
                              "--default-artifact-root", str(d / "art"), "--host", "127.0.0.1", "--port", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     uri = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 90  # ~12 s on these machines (pitfalls #16)
+    deadline = time.time() + 180  # ~12 s on a quiet machine (pitfalls #16), minutes on a loaded one
     while True:
         try:
             urllib.request.urlopen(f"{uri}/health", timeout=2).read()
-            break
+            return proc, uri
         except OSError:
             if time.time() > deadline or proc.poll() is not None:
                 os.killpg(proc.pid, signal.SIGKILL)
-                pytest.fail("mlflow server did not answer /health in 90 s")
+                pytest.fail("mlflow server did not answer /health in 180 s")
             time.sleep(0.5)
-    yield uri
+
+
+def _stop_mlflow_server(proc):
     os.killpg(proc.pid, signal.SIGTERM)
     try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
+        proc.wait(timeout=3)
+    except subprocess.TimeoutExpired:  # its workers finish their requests for ~20 s; nothing of theirs is needed
         os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    pytest.importorskip("mlflow", reason="the MLflow client is not installed: pip install 'raytrain[mlflow]'")
+    proc, uri = _start_mlflow_server(tmp_path_factory.mktemp("mlflow"))
+    yield uri
+    _stop_mlflow_server(proc)
 
 
 def _steps(run_dir, key):
     return [(r["step"], r[key]) for r in RunDir(str(run_dir)).read_jsonl(METRICS) if isinstance(r.get(key), float)]
 
 
-def test_mlflow_one_run_through_a_crash_and_a_resubmission(ray_cluster, tiny_data, tmp_path, mlflow_server):
-    from mlflow.tracking import MlflowClient
-
-    cfg = tiny_cfg(tiny_data, tmp_path / "runs", "mlf", "run.max_failures=1", "run.eval_every=5",
-                   f"metrics.mlflow.tracking_uri={mlflow_server}", "metrics.mlflow.experiment=crash")
+@pytest.fixture(scope="module")
+def mlflow_run(ray_cluster, tiny_data, tmp_path_factory, mlflow_server, lm_eval_tasks):
+    """A run through a SIGKILL, a resubmission resized 2 -> 1 and a health rollback, logged to MLflow and to W&B
+    (offline), with downstream (lm-eval) evaluations of its checkpoints on Ray tasks; (run directory, the
+    resubmission's summary)."""
+    pytest.importorskip("lm_eval", reason="the lm-evaluation-harness is not installed: pip install 'raytrain[eval]'")
+    pytest.importorskip("wandb", reason="wandb is not installed: pip install 'raytrain[wandb]'")
+    tmp_path = tmp_path_factory.mktemp("mlflow_run")
+    # W&B offline too: one training run for both trackers keeps the suite short.
+    common = ("run.eval_every=5", f"metrics.mlflow.tracking_uri={mlflow_server}", "metrics.mlflow.experiment=crash",
+              "metrics.wandb.project=raytrain-test", "metrics.wandb.mode=offline", f"metrics.wandb.dir={tmp_path / 'wandb'}",
+              "eval.tasks=[raytrain_tiny_mc]", "eval.limit=8", f"eval.include_path={lm_eval_tasks}")
+    cfg = tiny_cfg(tiny_data, tmp_path / "runs", "mlf", "run.max_failures=1", *common)
     summary = train(cfg, log=lambda *_: None, inject={"crash_at_step": 7, "marker": str(tmp_path / "crashed")})
     assert summary["restarts"] == 1 and summary["trackers"]["mlflow"]["error"] is None
-    # The same run submitted again, for more steps: it resumes, and logs into the same MLflow run.
-    more = tiny_cfg(tiny_data, tmp_path / "runs", "mlf", "run.max_steps=12", "run.eval_every=5",
-                    f"metrics.mlflow.tracking_uri={mlflow_server}", "metrics.mlflow.experiment=crash")
-    summary = train(more, log=lambda *_: None)
-    run_dir = tmp_path / "runs" / "mlf"
+    assert summary["trackers"]["wandb"]["error"] is None
+    # The same run submitted again on 1 worker (a 2 -> 1 resize), for more steps: it resumes, and logs into the same
+    # MLflow run, through a health rollback (a NaN on step 11's batch: back to checkpoint 10, that batch skipped).
+    more = tiny_cfg(tiny_data, tmp_path / "runs", "mlf", "run.max_steps=12", "scaling.num_workers=1", *common)
+    return tmp_path / "runs" / "mlf", train(more, log=lambda *_: None, inject={"nan_at_step": 11})
+
+
+def test_one_tracker_run_each_through_a_crash_a_resize_and_a_rollback(mlflow_run, mlflow_server):
+    """One MLflow run, step for step, and one W&B run id; each checkpoint's downstream evaluation logged once at its
+    step, in MLflow too."""
+    from mlflow.tracking import MlflowClient
+
+    run_dir, summary = mlflow_run
+    assert summary["rollbacks"] == 1
     run_id = RunDir(str(run_dir)).read_json(TRACKERS)["mlflow"]["run_id"]
     assert summary["trackers"]["mlflow"]["run_id"] == run_id
     client = MlflowClient(tracking_uri=mlflow_server)
@@ -71,28 +98,101 @@ def test_mlflow_one_run_through_a_crash_and_a_resubmission(ray_cluster, tiny_dat
         assert [v for _, v in history] == pytest.approx([v for _, v in want], rel=1e-6)
     assert [s for s, _ in _steps(run_dir, "loss")] == list(range(1, 13))
     assert runs[0].data.params["optim.lr"] == "0.003" and runs[0].data.params["run.max_steps"] == "10"
+    # Every checkpoint (5, 10, 12) evaluated and logged exactly once, though the crash took the first
+    # attempt's evaluation of step 5 with it (or not: either way, once).
+    key = "eval/raytrain_tiny_mc/acc"
+    evals = _steps(run_dir, key)
+    assert [s for s, _ in evals] == [5, 10, 12]
+    assert all((run_dir / "eval" / str(s) / "raytrain_tiny_mc.json").exists() for s, _ in evals)
+    history = sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+    assert [s for s, _ in history] == [5, 10, 12] and [v for _, v in history] == pytest.approx([v for _, v in evals])
+    # W&B (offline): three attempts, one run id (on a loaded machine an attempt may die before W&B opened its
+    # directory).
+    wandb_id = RunDir(str(run_dir)).read_json(TRACKERS)["wandb"]["run_id"]
+    assert summary["trackers"]["wandb"] == {**summary["trackers"]["wandb"], "run_id": wandb_id, "error": None}
+    runs = sorted(p.name for p in (run_dir.parent.parent / "wandb" / "wandb").glob("offline-run-*"))
+    assert 1 <= len(runs) <= 3 and all(r.endswith(f"-{wandb_id}") for r in runs), runs
 
 
-def test_wandb_offline_keeps_one_run_id_and_an_unreachable_mlflow_costs_one_warning(ray_cluster, tiny_data, tmp_path):
-    """One run, two trackers: W&B offline through a crash (one run id), MLflow unreachable (one warning, training
-    and metrics.jsonl unharmed). One training run for both keeps the suite short."""
-    pytest.importorskip("wandb", reason="wandb is not installed: pip install 'raytrain[wandb]'")
+def test_an_mlflow_server_killed_mid_run_costs_one_warning_and_no_metrics_line(tmp_path):
+    """No Ray: rank 0's run log and trackers as the loop drives them, the MLflow server SIGKILLed once the run is
+    open and records were sent. Every write returns at once, metrics.jsonl has every record, one warning, and
+    closing takes at most metrics.tracker_timeout_s."""
     pytest.importorskip("mlflow", reason="mlflow is not installed: pip install 'raytrain[mlflow]'")
-    wdir = tmp_path / "wandb"
-    cfg = tiny_cfg(tiny_data, tmp_path / "runs", "wb", "run.max_failures=1", "metrics.wandb.project=raytrain-test",
-                   "metrics.wandb.mode=offline", f"metrics.wandb.dir={wdir}",
-                   "metrics.mlflow.tracking_uri=http://127.0.0.1:1", "metrics.tracker_timeout_s=3")
-    t = time.time()
-    summary = train(cfg, log=lambda *_: None, inject={"crash_at_step": 7, "marker": str(tmp_path / "crashed")})
-    run_id = summary["trackers"]["wandb"]["run_id"]
-    assert summary["restarts"] == 1 and summary["trackers"]["wandb"]["error"] is None
-    runs = sorted(p.name for p in (wdir / "wandb").glob("offline-run-*"))
-    assert len(runs) == 2 and all(r.endswith(f"-{run_id}") for r in runs)  # two attempts, one W&B run
-    assert RunDir(str(tmp_path / "runs" / "wb")).read_json(TRACKERS)["wandb"]["run_id"] == run_id
-    # The unreachable tracker: the run finished in time, said so once (this attempt), and lost no metrics line.
-    assert summary["steps"] == 10 and time.time() - t < 180
-    assert summary["trackers"]["mlflow"]["error"] and len(summary["trackers"]["warnings"]) == 1
-    assert [s for s, _ in _steps(tmp_path / "runs" / "wb", "loss")] == list(range(1, 11))
+    from raytrain.worker.runlog import RunLog
+    from raytrain.worker.trackers import Trackers
+
+    proc, uri = _start_mlflow_server(tmp_path)
+    cfg = tiny_cfg("data", tmp_path / "runs", "killed", f"metrics.mlflow.tracking_uri={uri}", "metrics.tracker_timeout_s=5")
+    said = []
+    trackers = Trackers(cfg, enabled=True, log=said.append)
+    log = RunLog(cfg.run_uri, 10, 0, enabled=True, trackers=trackers)
+    rd = RunDir(cfg.run_uri)
+    try:
+        slowest = 0.0
+        for step in range(1, 11):
+            if step == 4:  # the run is open and steps 1-3 were sent: the server goes
+                deadline = time.time() + 120
+                while (rd.read_json(TRACKERS) or {}).get("mlflow", {}).get("logged_through", -1) < 3:
+                    assert time.time() < deadline, rd.read_json(TRACKERS)
+                    time.sleep(0.2)
+                os.killpg(proc.pid, signal.SIGKILL)
+            t = time.time()
+            log.write({"step": step, "loss": 1.0 / step})
+            slowest = max(slowest, time.time() - t)
+        t = time.time()
+        where = trackers.close()
+        assert time.time() - t < 5 + 1 and slowest < 0.5, (time.time() - t, slowest)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+    assert where["mlflow"]["error"] and len(said) == 1 and "the mlflow tracker stopped" in said[0], (where, said)
+    assert [s for s, _ in _steps(tmp_path / "runs" / "killed", "loss")] == list(range(1, 11))
+
+
+def test_an_attempt_killed_before_it_noted_the_mlflow_run_id_leaves_no_second_run(mlflow_server, tmp_path):
+    """No Ray: the key is noted before MLflow creates the run, so a kill between create_run and noting the run id
+    (a slow tracking server at start) costs no second MLflow run: the next attempt finds the run by its key."""
+    from mlflow.tracking import MlflowClient
+
+    from raytrain.worker.trackers import MlflowBackend, Trackers
+
+    cfg = tiny_cfg("data", tmp_path, "torn", f"metrics.mlflow.tracking_uri={mlflow_server}",
+                   "metrics.mlflow.experiment=torn")
+    first = MlflowBackend(cfg)
+    claimed = first.claim(None)
+    RunDir(cfg.run_uri).write_json(TRACKERS, {"mlflow": claimed})  # what the killed attempt had noted
+    first.open(None, config=cfg.to_dict(), restarts=0)  # it created the run, then died before noting its id
+    trackers = Trackers(cfg, enabled=True, restarts=1, log=lambda *_: None)
+    trackers.write({"step": 1, "loss": 2.0, "time": time.time()})
+    where = trackers.close()["mlflow"]
+    client = MlflowClient(tracking_uri=mlflow_server)
+    runs = client.search_runs([client.get_experiment_by_name("torn").experiment_id])
+    assert where["error"] is None and [r.info.run_id for r in runs] == [first.run_id] == [where["run_id"]]
+    assert [m.value for m in client.get_metric_history(first.run_id, "loss")] == [2.0]
+
+
+@pytest.mark.parametrize("policy", ["warn", "stop"])
+def test_an_unreachable_tracker_warns_once_or_stops_the_run(tmp_path, monkeypatch, policy):
+    """No Ray: rank 0's Trackers against MLflow at 127.0.0.1:1. warn: one warning line and writes go on; stop: the
+    next write raises the one-line error the run stops with."""
+    pytest.importorskip("mlflow", reason="mlflow is not installed: pip install 'raytrain[mlflow]'")
+    from raytrain.errors import UserError
+    from raytrain.worker.trackers import Trackers
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # refused at once, not after minutes of backoff
+    cfg = tiny_cfg("data", tmp_path, "unreachable", "metrics.mlflow.tracking_uri=http://127.0.0.1:1",
+                   f"metrics.on_tracker_failure={policy}")
+    said = []
+    trackers = Trackers(cfg, enabled=True, log=said.append)
+    deadline = time.time() + 60
+    with pytest.raises(UserError, match="on_tracker_failure=stop") if policy == "stop" else contextlib.nullcontext():
+        while time.time() < deadline and not (policy == "warn" and said):
+            trackers.write({"step": 1, "loss": 1.0, "time": time.time()})
+            time.sleep(0.1)
+    assert len(said) == 1 and "the mlflow tracker stopped" in said[0]
+    assert trackers.close()["mlflow"]["error"]
 
 
 def _cli(tiny_data, tmp_path, *overrides, prelude=""):
@@ -115,3 +215,49 @@ def test_tracker_library_missing_is_one_line_exit_2(tiny_data, tmp_path, extra, 
     r = _cli(tiny_data, tmp_path, key, prelude=f"import sys; sys.modules[{extra!r}] = None; ")
     assert r.returncode == 2, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and f"pip install 'raytrain[{extra}]'" in r.stderr
+
+
+def test_downstream_evaluation_equals_the_harness_cli_on_the_same_export(mlflow_run, lm_eval_tasks, tmp_path, capsys):
+    """The numbers training logged for checkpoint 12, and `raytrain eval --model` on its export, equal the harness's
+    own `lm_eval --model hf pretrained=<export>` on the same tasks and limit."""
+    import json
+
+    from raytrain.ckpt.layout import dir_name
+    from raytrain.cli import main
+    from raytrain.export import export
+
+    run_dir, _ = mlflow_run
+    out = tmp_path / "export"
+    export(str(run_dir / dir_name(12)), str(out), log=lambda *_: None)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    r = subprocess.run([sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args", f"pretrained={out}",
+                        "--tasks", "raytrain_tiny_mc", "--include_path", str(lm_eval_tasks), "--limit", "8",
+                        "--device", "cpu", "--output_path", str(tmp_path / "harness")],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    cli = json.loads(next((tmp_path / "harness").rglob("results_*.json")).read_text())["results"]["raytrain_tiny_mc"]
+    during = json.loads((run_dir / "eval" / "12" / "raytrain_tiny_mc.json").read_text())["metrics"]
+    capsys.readouterr()
+    assert main(["eval", "--model", str(out), "--tasks", "raytrain_tiny_mc", "--include-path", str(lm_eval_tasks),
+                 "--limit", "8", "--json"]) == 0
+    printed = capsys.readouterr().out
+    command = json.loads(printed[printed.index("\n{") + 1:])["metrics"]["raytrain_tiny_mc"]
+    for metric in ("acc", "acc_norm", "acc_stderr"):
+        assert during[metric] == command[metric] == cli[f"{metric},none"], metric
+    assert "raytrain_tiny_mc             acc" in printed  # the table
+
+
+@pytest.mark.parametrize("override,expect", [
+    ("eval.tasks=[raytrain_tiny_mcq]", "did you mean raytrain_tiny_mc"),
+    ("eval.include_path=/nonexistent/tasks", "is not a directory of task YAMLs"),
+])
+def test_bad_evaluation_input_is_one_line_exit_2(tiny_data, tmp_path, lm_eval_tasks, override, expect):
+    r = _cli(tiny_data, tmp_path, f"eval.include_path={lm_eval_tasks}", "eval.tasks=[raytrain_tiny_mc]", override)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and expect in r.stderr, r.stderr
+    assert not list(tmp_path.rglob("config.yaml"))
+
+
+def test_harness_missing_is_one_line_exit_2(tiny_data, tmp_path):
+    r = _cli(tiny_data, tmp_path, "eval.tasks=[hellaswag]", prelude="import sys; sys.modules['lm_eval'] = None; ")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "pip install 'raytrain[eval]'" in r.stderr

@@ -1,6 +1,7 @@
 """End-to-end training on a real local Ray cluster with real DeepSpeed (CPU, gloo), tiny sizes.
 
-Covers: a 2-worker ZeRO-2 run whose loss falls; a crashed worker restarted by FailureConfig from the
+Covers: a 2-worker ZeRO-2 run whose loss falls; a two-source data mixture (shares, per-source validation);
+a crashed worker (on the mixture) restarted by FailureConfig from the
 latest checkpoint; the same run submitted again after a failure; checkpoints and data on a local
 S3-protocol server. Resumed runs must reproduce the uninterrupted run's losses within 1e-5.
 """
@@ -45,6 +46,61 @@ def baseline(ray_cluster, tiny_data, tmp_path_factory):
     return summary, _losses(cfg.run_uri)
 
 
+@pytest.fixture(scope="module")
+def mix_data(tiny_data, tmp_path_factory):
+    """A second, smaller source (another corpus, tiny_data's tokenizer), and the two as a 0.8 / 0.2 mixture
+    whose weights change at step 6, each with its own validation split."""
+    from tests.helpers import synthetic_docs
+
+    d = tmp_path_factory.mktemp("mix")
+    (d / "corpus").mkdir()
+    for i, doc in enumerate(synthetic_docs(30, seed=7)):
+        (d / "corpus" / f"doc{i:04d}.txt").write_text(doc)
+    prepare(PrepareConfig(inputs=[str(d / "corpus")], out=str(d / "small"), tokenizer=str(tiny_data / "tokenizer.json"),
+                          seq_len=32, shard_rows=16, near_dup_threshold=1.0, val_fraction=0.2), log=lambda *_: None)
+    return (f"data.train=[{{name: big, path: {tiny_data}/train, weight: 0.8, val: {tiny_data}/val}}, "
+            f"{{name: small, path: {d}/small/train, weight: 0.2, val: {d}/small/val}}]",
+            "data.mixture_schedule=[{start_step: 6, weights: {big: 0.5, small: 0.5}}]", "data.val=null")
+
+
+@pytest.fixture(scope="module")
+def mix_baseline(ray_cluster, tiny_data, mix_data, tmp_path_factory):
+    """An uninterrupted 12-step run on the mixture, checkpointing every 4 steps."""
+    runs = tmp_path_factory.mktemp("runs")
+    cfg = tiny_cfg(tiny_data, runs, "mix-baseline", "run.max_steps=12", "checkpoint.every_n_steps=4", *mix_data)
+    summary = train(cfg, log=lambda *_: None)
+    return summary, _losses(cfg.run_uri)
+
+
+def test_mixture_run_shares_within_the_bound_validation_per_source_and_report(mix_baseline, tiny_data):
+    """2 workers, sources of 248 and 54 sequences at 0.8 / 0.2, then 0.5 / 0.5 from step 6: the run's own
+    per-source token counters give every window's share within the plan's stated bound."""
+    from raytrain.data.mixture import bound_slots
+    from raytrain.run_report import report as run_report
+
+    summary, _ = mix_baseline
+    run_uri = summary["run_uri"]
+    recs = [r for r in _metrics(run_uri) if "loss" in r]
+    seq, gb = 32, 8
+    slots = {n: [0] + [r[f"tokens_seen/{n}"] // seq for r in recs] for n in ("big", "small")}
+    assert [slots["big"][k] + slots["small"][k] for k in range(13)] == [gb * k for k in range(13)]
+    for a, b, w in ((0, 6, 0.8), (6, 12, 0.5)):  # every window inside each stage
+        for t0 in range(a, b):
+            for t1 in range(t0 + 1, b + 1):
+                got = slots["big"][t1] - slots["big"][t0]
+                assert abs(got - (t1 - t0) * gb * w) <= bound_slots(t1 - t0), (t0, t1, got)
+    assert summary["share/big"] == pytest.approx(slots["big"][12] / 96)
+    assert summary["epochs/small"] == pytest.approx(slots["small"][12] / 54)
+    first, last = [r for r in _metrics(run_uri) if "val_loss" in r][0], [r for r in _metrics(run_uri) if "val_loss" in r][-1]
+    for n in ("big", "small"):
+        assert last[f"val_loss/{n}"] < first[f"val_loss/{n}"] and last[f"val_ppl/{n}"] > 1
+    recorded = [json.loads(x) for x in storage.read_text(storage.join(run_uri, "mixture.jsonl")).splitlines()]
+    assert [r["from_step"] for r in recorded] == [0] and recorded[0]["stages"] == [[0, [0.8, 0.2]], [6, [0.5, 0.5]]]
+    _, md = run_report(run_uri)
+    text = storage.read_text(md)
+    assert "## Data mixture" in text and "| small |" in text
+
+
 def test_two_worker_zero2_loss_falls(ray_cluster, tiny_data, tmp_path):
     cfg = tiny_cfg(tiny_data, tmp_path, "falls", "run.max_steps=40", "run.eval_every=20", "checkpoint.every_n_steps=20")
     summary = train(cfg, log=lambda *_: None)
@@ -63,10 +119,11 @@ def test_two_worker_zero2_loss_falls(ray_cluster, tiny_data, tmp_path):
     assert (tmp_path / "falls" / "summary.json").exists() and (tmp_path / "falls" / "config.yaml").exists()
 
 
-def test_crashed_worker_resumes_with_identical_losses(ray_cluster, tiny_data, tmp_path, baseline):
-    _, want = baseline
+def test_crashed_worker_resumes_with_identical_losses(ray_cluster, tiny_data, tmp_path, mix_data, mix_baseline):
+    """SIGKILL of a worker at step 6, on the mixture (its weights change at step 6 too)."""
+    _, want = mix_baseline
     cfg = tiny_cfg(tiny_data, tmp_path, "crash", "run.max_steps=12", "checkpoint.every_n_steps=4",
-                   "run.max_failures=1")
+                   "run.max_failures=1", "checkpoint.memory=true", *mix_data)
     summary = train(cfg, log=lambda *_: None,
                     inject={"crash_at_step": 6, "marker": str(tmp_path / "crashed"), "rank": 1})
     assert (tmp_path / "crashed").exists(), "the fault was not injected"
@@ -75,21 +132,60 @@ def test_crashed_worker_resumes_with_identical_losses(ray_cluster, tiny_data, tm
     assert sorted(got) == list(range(1, 13))
     for step in range(1, 13):
         assert got[step] == pytest.approx(want[step], abs=1e-5), step
-    # The work thrown away, from the failed attempt's heartbeat: the steps past the resumed checkpoint up
-    # to the crash at 6 (resumed at 4; at 0 if checkpoint 4's async upload had not committed yet), plus at
-    # most the steps that fit between two heartbeat writes (0.02 s on local storage) - not the seconds
-    # until the restart turned into steps at this machine's pace.
+    assert _crcs(cfg.run_uri) == _crcs(mix_baseline[0]["run_uri"])
+    # Restored from host memory: the newest step both ranks' node snapshots hold (rank 1 died right after step 6's
+    # optimizer step, before its copy), not storage's checkpoint 4; recorded in restores.jsonl.
+    (rec,) = [json.loads(x) for x in storage.read_text(cfg.run_uri + "/restores.jsonl").splitlines()]
+    assert rec["source"] == "memory:local" and rec["step"] == 5 and rec["ok"], rec
+    # The work thrown away, from the failed attempt's heartbeat: the one step past the snapshot up to the crash
+    # at 6, plus at most the steps that fit between two heartbeat writes (0.02 s on local storage).
     report = cost.report(cfg.run_uri, cost.Prices(1.0, 1.0, 1.0))
     (restart,) = report["restarts"]
-    assert restart["resumed_step"] in (0, 4) and restart["lost_steps_from"] == "heartbeat"
+    assert restart["resumed_step"] == 5 and restart["lost_steps_from"] == "heartbeat"
     unrecorded = int(HEARTBEAT_S["local"] / report["step_s"])
     lost = 6 - restart["resumed_step"]  # (-1 below: step 6's own write may not have landed before the kill)
     assert lost - 1 <= restart["lost_steps"] <= lost + unrecorded, (restart, report["step_s"])
-    # `raytrain report` lists the restart with the step it resumed at and the steps it redid.
+    # `raytrain report` lists the restart with the step it resumed at, the steps it redid and where it restored from.
     from raytrain.run_report import report as run_report
 
     _, md = run_report(cfg.run_uri)
     assert f"| 1 | {restart['resumed_step']} | {restart['lost_steps']} |" in storage.read_text(md)
+    assert "| memory:local |" in storage.read_text(md)
+    # Clean-up: the run's node actors and shared-memory files are gone once it finished.
+    _assert_memory_released(cfg)
+
+
+def _assert_memory_released(cfg) -> None:
+    import glob
+
+    import ray
+
+    from raytrain.ckpt.node_memory import NAMESPACE, actor_name, file_prefix
+
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a.get("namespace") == NAMESPACE]
+    assert not [n for n in names if n.startswith(actor_name(cfg.run_uri, ""))], names
+    assert not glob.glob(file_prefix(cfg.checkpoint.memory_dir, cfg.run_uri) + "*")
+
+
+def test_zero3_killed_worker_resumes_from_host_memory_with_identical_losses(ray_cluster, tiny_data, tmp_path):
+    """ZeRO-3 (weights partitioned too) and no storage checkpoint to fall back on: rank 0 SIGKILLed right after
+    step 5's optimizer step resumes from the node's memory snapshots of step 4, loss for loss and batch for batch
+    with an uninterrupted ZeRO-3 run (snapshots off there: the cost of the tier shows as its stall)."""
+    common = ("run.max_steps=8", "checkpoint.every_n_steps=100", "checkpoint.save_final=false", "deepspeed.zero_stage=3")
+    ref = tiny_cfg(tiny_data, tmp_path, "z3ref", *common, "checkpoint.memory=false")
+    train(ref, log=lambda *_: None)
+    cfg = tiny_cfg(tiny_data, tmp_path, "z3mem", *common, "run.max_failures=1", "checkpoint.memory=true")
+    summary = train(cfg, log=lambda *_: None, inject={"crash_at_step": 5, "marker": str(tmp_path / "died"), "rank": 0})
+    assert (tmp_path / "died").exists() and summary["restarts"] == 1
+    (rec,) = [json.loads(x) for x in storage.read_text(cfg.run_uri + "/restores.jsonl").splitlines()]
+    assert rec["source"] == "memory:local" and rec["step"] == 4, rec
+    got, want = _losses(cfg.run_uri), _losses(ref.run_uri)
+    assert sorted(got) == list(range(1, 9)) and got == want  # exactly: the same fp32 arithmetic
+    assert _crcs(cfg.run_uri) == _crcs(ref.run_uri)
+    stalls = [r["snapshot_stall_s"] for r in _metrics(cfg.run_uri) if "snapshot_stall_s" in r]
+    assert len(stalls) >= 7 and all(0 < s < 5 for s in stalls), stalls  # the stall per snapshot, every step
+    assert not any("snapshot_stall_s" in r for r in _metrics(ref.run_uri))
+    _assert_memory_released(cfg)
 
 
 def test_resubmitted_run_resumes_from_s3(ray_cluster, s3_server, corpus_dir, tmp_path, baseline):
@@ -128,12 +224,14 @@ def test_resubmitted_run_resumes_from_s3(ray_cluster, s3_server, corpus_dir, tmp
         assert got[step] == pytest.approx(want[step], abs=1e-5), step
 
 
-def test_resize_2_to_1_to_2_keeps_data_position_and_global_batch(ray_cluster, tiny_data, tmp_path, baseline):
-    """Elastic resume: the engine state is resharded, accumulation adjusted, the sample stream continues."""
-    _, want = baseline
+def test_resize_2_to_1_to_2_keeps_data_position_and_global_batch(ray_cluster, tiny_data, tmp_path, mix_data,
+                                                                mix_baseline):
+    """Elastic resume: the engine state is resharded, accumulation adjusted, the sample stream continues
+    (a two-source mixture, whose lanes do not depend on the worker count either)."""
+    _, want = mix_baseline
     # Same LR schedule as the baseline. Sync upload: each crash comes one step after a checkpoint, and on
     # a quiet machine an async upload of it may not have committed by then (the run would restart at 0).
-    common = ("checkpoint.every_n_steps=4", "run.max_steps=12", "checkpoint.upload=sync")
+    common = ("checkpoint.every_n_steps=4", "run.max_steps=12", "checkpoint.upload=sync", *mix_data)
     # Each segment dies one step after a checkpoint (the injected crash), like a lost node.
     with pytest.raises(Exception):
         train(tiny_cfg(tiny_data, tmp_path, "resize", *common), log=lambda *_: None,
@@ -153,7 +251,7 @@ def test_resize_2_to_1_to_2_keeps_data_position_and_global_batch(ray_cluster, ti
     for step in (8, 12):
         state = json.loads((tmp_path / "resize" / dir_name(step) / "raytrain_state.json").read_text())
         assert state["samples_seen"] == step * 8 and state["global_batch"] == 8
-    assert _crcs(two.run_uri) == _crcs(baseline[0]["run_uri"])
+    assert _crcs(two.run_uri) == _crcs(mix_baseline[0]["run_uri"])
     # One universal conversion per source checkpoint (4: written by 2 workers, resumed twice on 1; 8: written by
     # 1, resumed on 2), each kept beside its checkpoint in storage.
     conv = [json.loads(x) for x in (tmp_path / "resize" / "conversions.jsonl").read_text().splitlines()]

@@ -144,7 +144,7 @@ def test_microbatch_sweep_with_memory_cap_resume_then_train_best(ray_cluster, ti
 
 @pytest.mark.slow
 def test_asha_lr_sweep_stops_a_trial_early(ray_cluster, tiny_data, tmp_path):
-    args = [*_data(tiny_data), *TINY, f"storage={tmp_path}", "name=asha", "budget.max_steps=8",
+    args = [*_data(tiny_data), *TINY, f"storage={tmp_path}", "name=asha", "budget.max_steps=6",
             "budget.num_samples=4", "scheduler.grace_period=2", "trial_overrides.run.eval_every=2",
             "trial_overrides.run.log_every=2", "trial_overrides.checkpoint.every_n_steps=100",
             "space.optim.warmup_steps={choice: [0, 4, 30]}"]
@@ -153,9 +153,9 @@ def test_asha_lr_sweep_stops_a_trial_early(ray_cluster, tiny_data, tmp_path):
     trials = res["trials"]
     assert len(trials) == 4 and not [t for t in trials if t["status"] == "error"]
     stopped = [t for t in trials if t["status"] == "stopped"]
-    assert stopped and all(t["step"] < 8 for t in stopped), trials
+    assert stopped and all(t["step"] < 6 for t in stopped), trials
     done = [t for t in trials if t["status"] == "completed"]
-    assert done and all(t["step"] == 8 for t in done)
+    assert done and all(t["step"] == 6 for t in done)
     assert [t["val_loss"] for t in done] == sorted(t["val_loss"] for t in done)
     assert res["best"]["trial"] == done[0]["trial"]
     assert 1e-4 <= res["best"]["settings"]["optim.lr"] <= 1e-2

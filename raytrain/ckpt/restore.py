@@ -1,5 +1,5 @@
-"""Resume: find the newest committed checkpoint every rank reads intact (collective), then load engine, RNG and
-counters from it."""
+"""Resume: the newest step every rank can restore from its node's memory (collective), else the newest committed
+checkpoint every rank reads intact from storage (collective); then load engine, RNG and counters from it."""
 
 from __future__ import annotations
 
@@ -12,12 +12,66 @@ from typing import Optional
 from raytrain import storage
 from raytrain.rundir import RunDir
 from raytrain.ckpt.catalog import complete_candidates
-from raytrain.ckpt.layout import ENGINE_TAG, RESTORES, STATE, UNIVERSAL, UNIVERSAL_TAG, rng_file
+from raytrain.ckpt.layout import ENGINE_TAG, RESTORES, STATE, UNIVERSAL, UNIVERSAL_TAG, rng_file, step_of
 from raytrain.ckpt.node_cache import local_root, make_local, node_id, release, remove_stale
 from raytrain.ckpt.reshard import ensure_universal, universal_files
 from raytrain.ckpt.state import TrainState, set_rng_state
 
 _RANKED = re.compile(r"(?:^|/)(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_(?:optim|model)_states\.pt$|(?:^|/)rank_(\d+)\.pt$")
+
+
+@dataclass
+class MemoryPoint:
+    """The step every rank restores from host memory, and this rank's state for it (raytrain/ckpt/memory.py)."""
+
+    step: int
+    state: dict
+    source: str = "memory:local"
+
+
+def find_memory_point(memory, rank: int, run_uri: str) -> Optional[MemoryPoint]:
+    """The newest step whose snapshot every rank holds intact in its own node's memory and that is not older than
+    the newest committed storage checkpoint any rank's snapshot knew of; None (storage path) otherwise.
+
+    One all-gather of small records when the tier is on (every rank has the same config, so all or none call
+    it). Each rank keeps two generations: ranks killed one step apart still share the older one.
+    """
+    from raytrain.worker.runlog import say
+
+    if not memory.enabled:
+        return None
+    t0 = time.perf_counter()
+    mine = memory.candidates()
+    rec = {"rank": rank, "node": node_id(), "steps": sorted(mine), "committed": memory.committed_floor(mine),
+           "source": memory.source, "samples": {str(k): v for k, v in memory.samples.items() if k in mine}}
+    recs = _all_gather(rec, _world())
+    step = agree_step(recs)
+    if step is None:
+        if rank == 0 and any(r["steps"] for r in recs):
+            say("memory snapshots do not cover every rank at one step "
+                + "; ".join(f"rank {r['rank']}: {r['steps'] or 'none'}" for r in recs) + "; restoring from storage")
+        memory.invalidate()  # a new timeline starts from storage: older snapshots must never be taken for it
+        return None
+    peer = any(r["source"] == "memory:peer" for r in recs)
+    point = MemoryPoint(step, memory.load(mine[step]), "memory:peer" if peer else "memory:local")
+    if rank == 0:
+        say(f"restore step {step} from host memory ({point.source}) in {time.perf_counter() - t0:.2f} s")
+        RunDir(run_uri).append_jsonl(RESTORES, {
+            "source": point.source, "step": step, "checkpoint": None, "ok": True, "time": round(time.time(), 3),
+            "s": round(time.perf_counter() - t0, 3), "ranks": recs})
+    return point
+
+
+def agree_step(recs: list[dict]) -> Optional[int]:
+    """The newest step in every rank's `steps` at one data position (`samples`, where given: snapshots of a
+    timeline a rollback left differ there), not below any rank's `committed` (None when there is none)."""
+    if not recs:
+        return None
+    common = set(recs[0]["steps"]).intersection(*(r["steps"] for r in recs[1:]))
+    common = {s for s in common if len({(r.get("samples") or {}).get(str(s)) for r in recs}) == 1}
+    floor = max((r["committed"] for r in recs if r.get("committed") is not None), default=None)
+    ok = [s for s in common if floor is None or s >= floor]
+    return max(ok) if ok else None
 
 
 @dataclass
@@ -155,7 +209,7 @@ def _report(run_uri: str, uri: str, files: dict, recs: list, *, ok: bool) -> Non
         which = "; ".join(f"rank {r['rank']}: {r['bad'][0]}" for r in recs if r["bad"])
         say(f"warning: skipping checkpoint {uri}: {which} failed verification; trying the previous one")
     RunDir(run_uri).append_jsonl(RESTORES, {
-        "checkpoint": uri.rsplit("/", 1)[-1], "ok": ok, "time": round(time.time(), 3),
+        "source": "storage", "step": step_of(uri), "checkpoint": uri.rsplit("/", 1)[-1], "ok": ok, "time": round(time.time(), 3),
         "checkpoint_bytes": total, "node_bytes": nodes, "ranks": recs})
 
 
@@ -180,7 +234,8 @@ def restore(engine, point: ResumePoint, *, rank: int, world: int) -> TrainState:
         if state.world_size != world:  # find_resume_point fetched the universal form
             path, _ = engine.load_checkpoint(os.path.join(d, UNIVERSAL), tag=UNIVERSAL_TAG)
         else:
-            path, _ = engine.load_checkpoint(d, tag=ENGINE_TAG)
+            # LoRA checkpoints hold the adapter only (the base is the model as built): not strict for them
+            path, _ = engine.load_checkpoint(d, tag=ENGINE_TAG, load_module_strict=not hasattr(engine.module, "peft_config"))
         if path is None:
             raise RuntimeError(f"DeepSpeed could not load the engine state in {point.uri}")
         # RNG streams belong to ranks; after a resize, ranks without a saved stream keep their seed.

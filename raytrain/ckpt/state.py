@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import asdict, dataclass, fields
+from typing import Optional
 
 
 @dataclass
@@ -16,6 +17,7 @@ class TrainState:
     restarts: int = 0
     global_batch: int = 0  # sequences per step when saved; a resized resume keeps it
     preemptions: int = 0  # preemptions survived
+    lora_base: Optional[dict] = None  # LoRA runs: the frozen base's identity and sha256 (raytrain/lora.py)
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainState":

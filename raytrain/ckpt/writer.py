@@ -64,7 +64,9 @@ class CheckpointWriter:
             dist.broadcast_object_list(token, src=0)  # also the barrier after the uncommit
         local = os.path.join(self._staging, name)
         shutil.rmtree(local, ignore_errors=True)
-        engine.save_checkpoint(local, tag=ENGINE_TAG)
+        # LoRA: the adapter only; the frozen base is rebuilt from the config and checked by sha256 (raytrain/lora.py)
+        lora = hasattr(getattr(engine, "module", None), "peft_config")
+        engine.save_checkpoint(local, tag=ENGINE_TAG, **({"exclude_frozen_parameters": True} if lora else {}))
         os.makedirs(os.path.dirname(os.path.join(local, rng_file(self.rank))), exist_ok=True)
         torch.save(rng_state(), os.path.join(local, rng_file(self.rank)))
         if self.rank == 0:

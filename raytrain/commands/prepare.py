@@ -37,6 +37,10 @@ def format_prepare_summary(r: dict, seconds: float) -> str:
     for split in ("train", "val"):
         s = r.get(split, {})
         lines.append(f"  {split:<9}  {s.get('documents', 0):,} documents, {s.get('tokens', 0):,} tokens in "
-                     f"{s.get('samples', 0):,} sequences, {s.get('shards', 0)} shard(s) per format")
+                     f"{s.get('samples', 0):,} sequences, {s.get('shards', 0)} shard(s) per format"
+                     + (f"; {s['examples']:,} examples, {s['learned_tokens']:,} tokens learned, "
+                        f"{s['masked_tokens']:,} masked" if "learned_tokens" in s else ""))
+    if "truncated" in f:
+        lines.append(f"  examples   {f['truncated']:,} truncated to seq_len+1 tokens")
     lines.append(f"  report     {r['out'].rstrip('/')}/report.md (train/val drift KS {r['ks_train_val_doc_tokens']:.3f})")
     return "\n".join(lines)

@@ -90,10 +90,13 @@ def _decode(data: bytes, invalid_utf8: str) -> tuple[Optional[str], str]:
 
 
 def read_file(uri: str, text_field: str = "text", text_mode: str = "file", invalid_utf8: str = "replace",
-              start: int = 0, stop: int = -1) -> list[tuple[Optional[str], str]]:
+              start: int = 0, stop: int = -1, example: Optional[dict] = None) -> list[tuple[Optional[str], str]]:
     """Documents of one file, or of its byte range [start, stop) (see read_units), as (text or None if dropped,
-    utf-8 status). Bad files are a UserError naming them (and the line, for JSONL)."""
+    utf-8 status). Bad files are a UserError naming them (and the line, for JSONL). `example` ({fmt, fields}):
+    JSONL records are fine-tuning examples, each one document (raytrain/data/examples.py)."""
     k = kind(uri)
+    if example is not None and k != "jsonl":
+        raise UserError(f"input {uri}: format={example['fmt']} reads JSONL files (.jsonl) only")
     if k == "parquet":
         return _read_parquet(uri, text_field, start, stop)
     try:
@@ -121,6 +124,11 @@ def read_file(uri: str, text_field: str = "text", text_mode: str = "file", inval
             rec = json.loads(text)
         except json.JSONDecodeError:
             raise UserError(f"input {where(lineno)}: not valid JSON") from None
+        if example is not None and isinstance(rec, dict):
+            from raytrain.data.examples import record_to_doc
+
+            out.append((record_to_doc(rec, fmt=example["fmt"], fields=example["fields"], where=where(lineno)), status))
+            continue
         if not isinstance(rec, dict) or text_field not in rec:
             raise UserError(f"input {where(lineno)}: record has no {text_field!r} field (set text_field=...)")
         out.append((str(rec[text_field]), status))

@@ -35,10 +35,17 @@ class Split:
     eot_id: int
     tokenizer_uri: str
     format: str = "parquet"
+    # ("tokens",) for text; fine-tuning examples add ("loss_mask", "segment_ids") (raytrain/data/examples.py)
+    columns: tuple[str, ...] = ("tokens",)
 
     @property
     def num_samples(self) -> int:
         return sum(self.shard_rows)
+
+    @property
+    def row_width(self) -> int:
+        """Values per row as the reader returns it: the columns' seq_len + 1 values each, side by side."""
+        return (self.seq_len + 1) * len(self.columns)
 
     def to_dict(self) -> dict:
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()}
@@ -66,6 +73,7 @@ def load_split(uri: str, what: str = "data", checksums: bool = False, fmt: Optio
                             f"data.format to one of those or prepare with formats=[{fmt}]")
         shards = by_format[fmt]
         seq_len, vocab, eot = int(m["seq_len"]), int(m["vocab_size"]), int(m["eot_id"])
+        columns = tuple(str(c) for c in m.get("columns", ["tokens"]))
         shards = [{"path": str(s["path"]), "rows": int(s["rows"]), "bytes": int(s["bytes"]),
                    "sha256": s.get("sha256")} for s in shards]
     except (ValueError, KeyError, TypeError) as e:
@@ -96,4 +104,5 @@ def load_split(uri: str, what: str = "data", checksums: bool = False, fmt: Optio
         eot_id=eot,
         tokenizer_uri=tok_uri,
         format=fmt,
+        columns=columns,
     )

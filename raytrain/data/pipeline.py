@@ -46,6 +46,7 @@ NORMALISE_BATCH = 2048
 # that task's memory then grows with the corpus up to 1 GiB and more (measured: 2.9x the peak memory for 16x the
 # corpus). A few partitions' worth per map task keeps every shuffle's tasks bounded whatever the corpus.
 SHUFFLE_BATCH_BYTES = 32 << 20
+EXAMPLE_STATS = ("examples", "learned_tokens", "masked_tokens", "pad_tokens")  # per split, summed over partitions
 
 
 class Progress:
@@ -198,6 +199,9 @@ def merge_stats(stats: list[dict], review_n: int) -> dict:
             t["tokens"] += x["tokens"]
             t["max"] = max(t["max"], x["max"])
             t["rows"] += x["rows"]
+            for key in EXAMPLE_STATS:  # fine-tuning examples only
+                if key in x:
+                    t[key] = t.get(key, 0) + x[key]
             t["lengths"] = stages.bottom(t["lengths"] + [tuple(p) for p in x["lengths"]], MAX_LENGTH_SAMPLE)
             t["review"] = stages.bottom(t["review"] + [tuple(p) for p in x["review"]], review_n)
             rows_by_part[name][part] = x["rows"]
@@ -262,7 +266,11 @@ def check_spill_space(nbytes: int, log) -> None:
 
 
 def _read_kw(cfg) -> dict:
-    return {"text_field": cfg.text_field, "text_mode": cfg.text_mode, "invalid_utf8": cfg.invalid_utf8}
+    kw = {"text_field": cfg.text_field, "text_mode": cfg.text_mode, "invalid_utf8": cfg.invalid_utf8}
+    if cfg.format != "text":
+        kw["example"] = {"fmt": cfg.format, "fields": {k: getattr(cfg, k) for k in
+                                                       ("prompt_field", "completion_field", "messages_field")}}
+    return kw
 
 
 def _finish(cfg, src, counts_rows, make_tokenizer, sample_fn, log):
@@ -328,12 +336,20 @@ def _finalize_kwargs(cfg, tok, eot_id, n_kept: int) -> dict:
 
     cutoffs = {"train": cut(MAX_LENGTH_SAMPLE, 1 - cfg.val_fraction), "val": cut(MAX_LENGTH_SAMPLE, cfg.val_fraction),
                "review": cut(max(cfg.review_samples, 100), 1 - cfg.val_fraction)}
+    example = None
+    if cfg.format != "text":
+        from raytrain.data.examples import chat_template
+
+        example = {"pack": cfg.pack, "too_long": cfg.too_long,
+                   "chat_template": chat_template(cfg.chat_template, cfg.tokenizer) if cfg.format == "chat" else None}
     return dict(tok_json=tok.to_str(), eot_id=eot_id, window=cfg.seq_len + 1, pii=cfg.pii_scrub,
-                review_n=cfg.review_samples, seed=cfg.seed, cutoffs=cutoffs, near_threshold=cfg.near_dup_threshold)
+                review_n=cfg.review_samples, seed=cfg.seed, cutoffs=cutoffs, near_threshold=cfg.near_dup_threshold,
+                example=example)
 
 
 def _write_kwargs(cfg, out) -> dict:
-    return dict(out=out, formats=list(cfg.formats), window=cfg.seq_len + 1, shard_rows=cfg.shard_rows)
+    return dict(out=out, formats=list(cfg.formats), window=cfg.seq_len + 1, shard_rows=cfg.shard_rows,
+                columns=1 if cfg.format == "text" else 3)
 
 
 def _check_train(merged: dict, cfg) -> None:

@@ -129,11 +129,7 @@ class SamplePlan:
 
     def lanes_of(self, rank: int, world: int) -> tuple[int, int]:
         """The lanes rank `rank` of `world` data-parallel ranks trains on: a contiguous, equal share."""
-        if self.global_batch % world:
-            raise UserError(f"global batch {self.global_batch} does not split evenly over {world} data-parallel "
-                            "workers; make it a multiple of the worker count")
-        per = self.global_batch // world
-        return rank * per, (rank + 1) * per
+        return lanes_of(self.global_batch, rank, world)
 
     def step(self, step: int, lanes: Optional[tuple[int, int]] = None) -> StepPlan:
         """The samples of global batch `step` (0-based) in lanes [lo, hi) (default: all of them)."""
@@ -185,3 +181,13 @@ class SamplePlan:
             j, first, last = j[keep], np.maximum(first[keep], t0), last[keep]
         k = np.argsort(first, kind="stable")
         return [(int(f), int(e), int(order[u])) for f, e, u in zip(first[k], last[k], j[k])]
+
+
+def lanes_of(global_batch: int, rank: int, world: int) -> tuple[int, int]:
+    """The lanes (slots of every global batch) rank `rank` of `world` data-parallel ranks trains on: a contiguous,
+    equal share, the same for a single split and a mixture."""
+    if global_batch % world:
+        raise UserError(f"global batch {global_batch} does not split evenly over {world} data-parallel "
+                        "workers; make it a multiple of the worker count")
+    per = global_batch // world
+    return rank * per, (rank + 1) * per

@@ -25,6 +25,8 @@ from raytrain import storage
 from raytrain.config import Section, load_tree
 from raytrain.data import manifest as mf
 from raytrain.data import pipeline
+from raytrain.data.corpus import BUILTIN
+from raytrain.data.examples import COLUMNS, plain_text
 from raytrain.data.report import write_report
 from raytrain.data.shards import SHARD_LAYOUT, WRITTEN  # noqa: F401 - where callers have always found them
 from raytrain.errors import UserError
@@ -57,6 +59,13 @@ class PrepareConfig(Section):
     review_samples: int = Field(20, ge=0, description="documents written to review_sample.jsonl for a person to read")
     text_field: str = Field("text", description="JSONL field / Parquet column holding the text")
     max_chars: int = Field(3_000_000, ge=1, description="cap on the built-in corpus size")
+    format: Literal["text", "prompt_completion", "chat"] = Field("text", description="text: documents for pre-training (every token learned); prompt_completion / chat: JSONL fine-tuning examples, written with a loss mask (1 on completions / assistant turns) and segment ids per example")
+    prompt_field: str = Field("prompt", description="format=prompt_completion: the JSONL field holding the prompt (not learned)")
+    completion_field: str = Field("completion", description="format=prompt_completion: the JSONL field holding the completion (learned)")
+    messages_field: str = Field("messages", description="format=chat: the JSONL field holding the OpenAI-shape list of {role, content} messages")
+    chat_template: Optional[str] = Field(None, description="format=chat: a Jinja chat template (as in transformers); null: the tokenizer's own (a Hugging Face tokenizer directory), else raytrain's default (the one `raytrain serve` uses)")
+    pack: bool = Field(True, description="examples: several whole examples per sequence (true) or one, padded (false); an example is never split across sequences")
+    too_long: Literal["truncate", "drop"] = Field("truncate", description="examples longer than seq_len+1 tokens: cut to it or leave out (either is counted in the report)")
     seed: int = Field(0, ge=0, lt=2**32)
 
 
@@ -115,7 +124,12 @@ def prepare(cfg: PrepareConfig, log=print) -> dict:
     for split in ("train", "val"):
         storage.delete_file(storage.join(out, split, mf.MANIFEST))
 
+    if cfg.format != "text" and any(spec in BUILTIN for spec in cfg.inputs):
+        raise UserError(f"format={cfg.format} needs JSONL inputs of examples; the built-in corpus is plain text")
+
     def make_tokenizer(sample):
+        if sample is not None and cfg.format != "text":
+            sample = [plain_text(d) for d in sample]  # the tokenizer learns the examples' text, not their JSON
         tok = load_tokenizer(cfg.tokenizer) if cfg.tokenizer else train_tokenizer(
             sample, cfg.vocab_size, [cfg.eot_token, *cfg.special_tokens])
         eot_id = tok.token_to_id(cfg.eot_token)
@@ -149,11 +163,15 @@ def prepare(cfg: PrepareConfig, log=print) -> dict:
             "documents": int(s["documents"]),
             "prepare": cfg.model_dump(mode="json"),
         }
+        ex = {k: int(s.get(k, 0)) for k in pipeline.EXAMPLE_STATS}
+        if cfg.format != "text":  # fine-tuning rows: tokens | loss_mask | segment_ids (raytrain/data/examples.py)
+            manifest.update({"columns": list(COLUMNS), "example_format": cfg.format, **ex})
         # Manifest last: its presence is what makes the split complete. No timestamp: the same inputs and
         # settings give the same bytes.
         storage.write_text(storage.join(out, split, mf.MANIFEST), json.dumps(manifest, indent=1))
         report[split] = {"documents": int(s["documents"]), "samples": int(s["rows"]),
-                         "tokens": int(s["rows"]) * window, "shards": len(shards[cfg.formats[0]])}
+                         "tokens": int(s["rows"]) * window, "shards": len(shards[cfg.formats[0]]),
+                         **(ex if cfg.format != "text" else {})}
     data_report = write_report(out, counts, splits, report, cfg.seed, near=r["near"])
     report["filters"] = dict(counts)
     report["ks_train_val_doc_tokens"] = data_report["ks_train_val_doc_tokens"]

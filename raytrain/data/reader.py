@@ -70,16 +70,17 @@ def read_unit(split: Split, unit, counter: Optional[storage.ReadCounter] = None,
                 ends = np.cumsum(sizes)
                 g0 = int(np.searchsorted(ends, unit.start, side="right"))
                 g1 = int(np.searchsorted(ends, unit.start + unit.rows - 1, side="right"))
-                rows = _tokens_to_numpy(pf.read_row_groups(list(range(g0, g1 + 1)), columns=["tokens"])["tokens"], width,
-                                        dtype)
+                t = pf.read_row_groups(list(range(g0, g1 + 1)), columns=list(split.columns))
+                rows = np.concatenate([_tokens_to_numpy(t[c], width, dtype) for c in split.columns], axis=1) \
+                    if len(split.columns) > 1 else _tokens_to_numpy(t["tokens"], width, dtype)
                 skip = unit.start - int(ends[g0] - sizes[g0])
                 return rows[skip:skip + unit.rows]
             from raytrain.data.webdataset_io import iter_tar_rows
 
             # Buffered: tarfile reads 512-byte blocks, and unbuffered each would be a request on S3.
             stream = src if src is not f else io.BufferedReader(f, buffer_size=4 << 20)
-            chunks = list(iter_tar_rows(stream, width))
-            rows = np.concatenate(chunks).astype(dtype, copy=False) if chunks else np.zeros((0, width), dtype)
+            chunks = list(iter_tar_rows(stream, width, members=split.columns))
+            rows = np.concatenate(chunks).astype(dtype, copy=False) if chunks else np.zeros((0, split.row_width), dtype)
             if len(rows) != expected:
                 raise BadUnit(uri, f"read {len(rows)} rows, its manifest entry says {expected}; truncated?")
             return rows[unit.start:unit.start + unit.rows]
@@ -116,7 +117,7 @@ def read_rows(split: Split, start: int, stop: int, on_bad_shard: str = "error",
         at += unit.rows
         if at >= stop:
             break
-    return np.concatenate(out) if out else np.zeros((0, split.seq_len + 1), np.int64)
+    return np.concatenate(out) if out else np.zeros((0, split.row_width), np.int64)
 
 
 class PlannedReader:
@@ -242,7 +243,7 @@ class PlannedReader:
     # ------------------------------------------------------------------ assembler (background thread)
 
     def _assemble(self) -> None:
-        L, width = self.plan.steps_per_epoch, self.split.seq_len + 1
+        L, width = self.plan.steps_per_epoch, self.split.row_width
         s = self.step_next
         while not self._stop:
             with self._cv:

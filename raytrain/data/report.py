@@ -124,6 +124,14 @@ def render_markdown(r: dict) -> str:
             t = "~" if d.get("approximate") else ""
             lines.append(f"| {name} | {d['documents']} | {d['tokens']} | {d['mean']:.1f} | {t}{d['p50']:.0f} | "
                          f"{t}{d['p95']:.0f} | {d['max']} | {s.get('samples', '')} |")
+    if any("learned_tokens" in s for s in r["splits"].values()):  # fine-tuning examples (format=prompt_completion|chat)
+        lines += ["", "## Examples (loss mask)", "", "| split | examples | learned tokens | masked tokens | padding tokens |",
+                  "| --- | --- | --- | --- | --- |"]
+        lines += [f"| {name} | {s.get('examples', 0)} | {s.get('learned_tokens', 0)} | {s.get('masked_tokens', 0)} | "
+                  f"{s.get('pad_tokens', 0)} |" for name, s in r["splits"].items()]
+        lines += ["", f"Truncated: {r['filters'].get('truncated', 0)}; dropped as too long: "
+                  f"{r['filters'].get('dropped_too_long', 0)}; dropped with nothing to learn: "
+                  f"{r['filters'].get('dropped_no_learned_tokens', 0)}."]
     ks = r["ks_train_val_doc_tokens"]
     approx = r.get("ks_approximate")
     lines += ["", f"Train / val drift (Kolmogorov-Smirnov statistic on document lengths): **{ks:.3f}** "

@@ -176,7 +176,8 @@ def bottom(pairs, n: int) -> list:
 
 
 def finalize_partition(group: pa.Table, *, tok_json: str, eot_id: int, window: int, pii: bool, review_n: int,
-                       seed: int, cutoffs: dict, near_threshold: float = 1.0, progress=None) -> pa.Table:
+                       seed: int, cutoffs: dict, near_threshold: float = 1.0, example: dict | None = None,
+                       progress=None) -> pa.Table:
     """One partition's documents (+ near-duplicate candidate pairs, marker rows) -> packed rows per split, and
     one stats row.
 
@@ -206,22 +207,16 @@ def finalize_partition(group: pa.Table, *, tok_json: str, eot_id: int, window: i
     u_len, u_rev = unit(k, seed, "lengths"), unit(k, seed, "review")
     for split, mask in (("train", ~val), ("val", val)):
         idx = np.flatnonzero(mask)
-        lens = np.zeros(len(idx), np.int64)
-        pieces = []
-        for s in range(0, len(idx), 1000):  # encode in chunks: Encoding objects are large, ids are kept as int32
-            enc = tok.encode_batch_fast([texts[i] for i in idx[s:s + 1000]])
-            for j, e in enumerate(enc):
-                ids = np.asarray(e.ids, np.int32)
-                lens[s + j] = len(ids)
-                pieces.append(ids)
-                pieces.append(np.array([eot_id], np.int32))
-            if progress is not None:
-                progress.add("tokenize", len(enc), sum(len(texts[i]) for i in idx[s:s + 1000]))
-        flat = np.concatenate(pieces) if pieces else np.zeros(0, np.int32)
-        n = len(flat) // window
-        rows = flat[: n * window].reshape(n, window)
+        ex_counts: Counter = Counter()
+        if example is None:
+            rows, lens = _pack_text(tok, [texts[i] for i in idx], eot_id=eot_id, window=window, progress=progress)
+        else:
+            rows, lens = _pack_examples(tok, [texts[i] for i in idx], eot_id=eot_id, window=window, example=example,
+                                        counts=ex_counts, progress=progress)
+            counts.update({k: v for k, v in ex_counts.items() if k.startswith(("dropped_", "truncated"))})
+        n = len(rows)
         out_rows.append((split, rows))
-        stats["splits"][split] = {
+        stats["splits"][split] = {**{k: v for k, v in ex_counts.items() if k.endswith("_tokens") or k == "examples"},
             "documents": int(len(idx)), "tokens": int(lens.sum()), "max": int(lens.max()) if len(lens) else 0,
             "rows": int(n),
             "lengths": bottom(((u, n) for u, n in zip(u_len[idx].tolist(), lens.tolist())
@@ -240,12 +235,46 @@ def finalize_partition(group: pa.Table, *, tok_json: str, eot_id: int, window: i
     return pa.concat_tables(tables)
 
 
+def _pack_text(tok, texts: list[str], *, eot_id: int, window: int, progress) -> tuple[np.ndarray, np.ndarray]:
+    """Documents, each followed by eot, cut into rows of `window` tokens (the remainder of the last is dropped);
+    (rows, document lengths)."""
+    lens = np.zeros(len(texts), np.int64)
+    pieces = []
+    for s in range(0, len(texts), 1000):  # encode in chunks: Encoding objects are large, ids are kept as int32
+        enc = tok.encode_batch_fast(texts[s:s + 1000])
+        for j, e in enumerate(enc):
+            ids = np.asarray(e.ids, np.int32)
+            lens[s + j] = len(ids)
+            pieces.append(ids)
+            pieces.append(np.array([eot_id], np.int32))
+        if progress is not None:
+            progress.add("tokenize", len(enc), sum(len(t) for t in texts[s:s + 1000]))
+    flat = np.concatenate(pieces) if pieces else np.zeros(0, np.int32)
+    n = len(flat) // window
+    return flat[: n * window].reshape(n, window), lens
+
+
+def _pack_examples(tok, docs: list[str], *, eot_id: int, window: int, example: dict, counts: Counter,
+                   progress) -> tuple[np.ndarray, np.ndarray]:
+    """Example documents -> rows of tokens | loss_mask | segment_ids side by side ([n, 3 * window]); (rows,
+    example lengths). Counts examples, learned / masked / padding tokens, truncations and drops."""
+    from raytrain.data.examples import Encoder, pack
+
+    enc = Encoder(tok, eot_id=eot_id, chat_template=example.get("chat_template"))
+    encoded = [enc(d) for d in docs]
+    if progress is not None:
+        progress.add("tokenize", len(docs), sum(len(d) for d in docs))
+    rows = pack(encoded, window=window, packed=example["pack"], too_long=example["too_long"], pad_id=eot_id,
+                counts=counts)
+    return rows.reshape(len(rows), 3 * window), np.array([len(ids) for ids, _ in encoded], np.int64)
+
+
 def _rows_table(split: str, part: int, rows: np.ndarray, window: int) -> pa.Table:
     n = len(rows)
     return pa.table({
         "kind": pa.array(["rows"] * n, pa.string()), "split": pa.array([split] * n, pa.string()),
         "part": pa.array(np.full(n, part, np.int64)), "seq": pa.array(np.arange(n, dtype=np.int64)),
-        "tokens": pa.ListArray.from_arrays(pa.array(np.arange(0, n * window + 1, window, dtype=np.int32)),
+        "tokens": pa.ListArray.from_arrays(pa.array(np.arange(0, rows.size + 1, rows.shape[1], dtype=np.int32)),
                                            pa.array(rows.reshape(-1), pa.int32())),
         "stats": pa.array([None] * n, pa.large_string()),
     })
@@ -263,15 +292,16 @@ def assign_shards(batch: pa.Table, *, offsets: dict, shard_rows: int) -> pa.Tabl
 
 
 def write_shard_group(group: pa.Table, *, out: str, formats: list[str], window: int, shard_rows: int,
-                      progress=None) -> pa.Table:
+                      columns: int = 1, progress=None) -> pa.Table:
     """One shard's rows -> its files (one per format), skipped when an earlier run wrote the same bytes."""
     from raytrain.data.shards import write_shard
 
     group = group.take(pc.sort_indices(group, [("g", "ascending")]))
     split = group.column("split")[0].as_py()
     start = int(group.column("g")[0].as_py())
-    rows = np.asarray(group.column("tokens").combine_chunks().flatten().to_numpy(), np.int32).reshape(-1, window)
-    entries, reused = write_shard(storage.join(out, split), start // shard_rows, start, rows, formats)
+    # columns > 1: fine-tuning rows, tokens | loss_mask | segment_ids side by side (raytrain/data/examples.py)
+    rows = np.asarray(group.column("tokens").combine_chunks().flatten().to_numpy(), np.int32).reshape(-1, window * columns)
+    entries, reused = write_shard(storage.join(out, split), start // shard_rows, start, rows, formats, columns=columns)
     if progress is not None:
         progress.add("write", len(rows), sum(e["bytes"] for e in entries.values()))
     return pa.table({"split": [split], "index": [start // shard_rows], "entries": [json.dumps(entries)],

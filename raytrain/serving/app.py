@@ -23,7 +23,7 @@ from ray import serve
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from raytrain.serving import openai_api
+from raytrain.serving import openai_api, streaming
 from raytrain.serving.fields import RequestError, int_field
 
 APP_NAME = "raytrain"
@@ -76,6 +76,33 @@ class ModelServer:
     async def __call__(self, req: dict) -> dict:
         return await self.handle_batch(req)
 
+    async def stream(self, req: dict):
+        """One request's events as they happen, batched with every other request like `__call__`:
+        {"start": {prompt_pieces, prompt_tokens}} once it is validated, {"pieces": [...]} as its tokens are
+        generated (none while log-probabilities are asked for: they come from the scoring pass after
+        generation), then {"result": ...} (an error result alone when the request was refused). Yields lists
+        of them: whatever is ready at once goes in one message (each message costs more than a token)."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        # The batch runs in a worker thread: its events reach this loop in the order they were sent, and
+        # all of them before the batch's own result.
+        sink = lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev)  # noqa: E731
+        done = asyncio.ensure_future(self.handle_batch({**req, "sink": sink}))
+        while not done.done():
+            get = asyncio.ensure_future(events.get())
+            await asyncio.wait({get, done}, return_when=asyncio.FIRST_COMPLETED)
+            if not get.done():
+                get.cancel()
+                break
+            ready = [get.result()]
+            while not events.empty():
+                ready.append(events.get_nowait())
+            yield ready
+        ready = []
+        while not events.empty():
+            ready.append(events.get_nowait())
+        yield ready + [{"result": done.result()}]
+
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.005)
     async def handle_batch(self, reqs: list[dict]) -> list[dict]:
         # The forward passes run off the event loop so the next batch can queue meanwhile.
@@ -86,6 +113,10 @@ class ModelServer:
 
         out = [self._prepare(r) for r in reqs]
         ok = [i for i, o in enumerate(out) if "error" not in o]
+        for i in ok:
+            if reqs[i].get("sink"):
+                reqs[i]["sink"]({"start": {"prompt_pieces": out[i].get("prompt_pieces"),
+                                           "prompt_tokens": len(out[i]["ids"])}})
         with torch.no_grad():
             greedy: dict[int, list[int]] = {}
             for i in ok:
@@ -95,9 +126,10 @@ class ModelServer:
                 else:
                     out[i].update(self._generate(out[i]["ids"], reqs[i]))
             for new, group in greedy.items():
-                gens = self._greedy([out[i]["ids"] for i in group], new)
+                gens = self._greedy([out[i]["ids"] for i in group], new,
+                                    streaming.streamer([self._feed(reqs[i]) for i in group]))
                 for i, g in zip(group, gens):
-                    out[i].update(self._finish(g, new, reqs[i].get("stop") or []))
+                    out[i].update(streaming.finish(self.tok, g, reqs[i].get("stop") or []))
             # One padded forward for every request that wants log-probabilities: the echoed prompt and the
             # generated tokens are scored together, batched across requests.
             scored = [i for i in ok if reqs[i].get("logprobs") or reqs[i].get("top_logprobs") is not None]
@@ -140,14 +172,13 @@ class ModelServer:
         return out
 
     def _pieces(self, ids: list[int]) -> list[str]:
-        """Each token's share of the decoded text (a short window of context, so a character split across
-        tokens lands whole in one piece); the pieces concatenate to the text."""
-        pieces = []
-        for i in range(len(ids)):
-            s = max(0, i - 6)
-            before = self.tok.decode(ids[s:i])
-            pieces.append(self.tok.decode(ids[s:i + 1])[len(before):])
-        return pieces
+        return streaming.pieces(self.tok, ids)
+
+    def _feed(self, req: dict) -> Optional[streaming.RowFeed]:
+        """Where a streamed request's tokens go as they are generated (None: not streamed token by token)."""
+        if not req.get("sink") or req.get("top_logprobs") is not None:
+            return None
+        return streaming.RowFeed(self.tok, eot=self.tok.eos_token_id, stops=req.get("stop") or [], sink=req["sink"])
 
     def _token_text(self, i: int) -> str:
         if i not in self.token_text:
@@ -189,29 +220,7 @@ class ModelServer:
             o["prompt_lp"], o["prompt_top"] = lps[:n - 1], tops[:n - 1]
             o["gen_lp"], o["gen_top"] = lps[n - 1:], tops[n - 1:]
 
-    def _finish(self, gen: list[int], new: int, stop: list[str]) -> dict:
-        """The continuation up to the end-of-text token or the earliest stop string (neither is returned)."""
-        eot = self.tok.eos_token_id
-        finish, count = "length", len(gen)
-        if eot in gen:
-            count = gen.index(eot) + 1
-            gen, finish = gen[:count - 1], "stop"
-        pieces = self._pieces(gen)
-        text = "".join(pieces)
-        hits = [(text.find(s), s) for s in stop if s in text]
-        if hits:
-            cut = min(hits)[0]
-            kept, at = [], 0
-            for piece in pieces:  # the tokens up to the one that completes the stop string, their text cut there
-                if at >= cut:
-                    break
-                kept.append(piece[:cut - at])
-                at += len(piece)
-            gen, pieces, count, finish = gen[:len(kept)], kept, len(kept), "stop"
-        return {"continuation": "".join(pieces), "gen_ids": gen, "gen_pieces": pieces, "completion_tokens": count,
-                "finish_reason": finish}
-
-    def _greedy(self, seqs: list[list[int]], new: int) -> list[list[int]]:
+    def _greedy(self, seqs: list[list[int]], new: int, streamer=None) -> list[list[int]]:
         """Greedy continuations of several prompts in one generate() call (left padding; transformers derives
         the positions from the attention mask)."""
         import torch
@@ -224,7 +233,8 @@ class ModelServer:
             x[j, longest - len(s):] = torch.tensor(s)
             mask[j, longest - len(s):] = 1
         gen = self.model.generate(input_ids=x.to(self.device), attention_mask=mask.to(self.device), do_sample=False,
-                                  max_new_tokens=new, pad_token_id=eot, eos_token_id=eot)[:, longest:].tolist()
+                                  max_new_tokens=new, pad_token_id=eot, eos_token_id=eot,
+                                  streamer=streamer)[:, longest:].tolist()
         return gen
 
     def _generate(self, ids: list[int], req: dict) -> dict:
@@ -233,7 +243,7 @@ class ModelServer:
 
         new = int(req.get("max_new_tokens", DEFAULT_NEW_TOKENS))
         if new == 0:
-            return self._finish([], 0, [])
+            return streaming.finish(self.tok, [], [])
         temperature = float(req.get("temperature", 0.0))
         # Per request, not per batch: a seeded request answers the same whatever it was batched with.
         if req.get("seed") is not None:
@@ -244,8 +254,9 @@ class ModelServer:
                     else {"do_sample": False})
         x = torch.tensor([ids], device=self.device)
         gen = self.model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=new,
-                                  pad_token_id=eot, eos_token_id=eot, **sampling)[0, len(ids):].tolist()
-        return self._finish(gen, new, req.get("stop") or [])
+                                  pad_token_id=eot, eos_token_id=eot, streamer=streaming.streamer([self._feed(req)]),
+                                  **sampling)[0, len(ids):].tolist()
+        return streaming.finish(self.tok, gen, req.get("stop") or [])
 
 
 # --- ingress ------------------------------------------------------------------------------------------
@@ -342,11 +353,10 @@ class Router:
                                               "completion_tokens", "cold")}
         parsed = (openai_api.parse_chat if path == "/v1/chat/completions" else openai_api.parse_completion)(body)
         version = ctx["version"] = self._pick(body.get("model"))
+        if parsed.stream:
+            return 200, await self._stream(version, parsed)
         # One replica request per prompt and choice: Serve batches them with each other and with other clients'.
         results = await asyncio.gather(*(self._call(version, r) for r in parsed.requests()))
-        if parsed.stream:
-            return 200, StreamingResponse(openai_api.sse(openai_api.chunks(parsed, results, version)),
-                                          media_type="text/event-stream")
         return 200, openai_api.response(parsed, results, version)
 
     async def _json(self, request: Request) -> dict:
@@ -369,6 +379,62 @@ class Router:
         if res["completion_tokens"]:
             self.m["tokens"].inc(res["completion_tokens"], tags={"version": version})
         return res
+
+    async def _stream(self, version: str, parsed: openai_api.Parsed) -> StreamingResponse:
+        """One replica stream per prompt and choice (batched like any request). The answer starts once each
+        choice is accepted, so a refused request is a 4xx rather than a broken stream; then chunks follow
+        as the tokens are generated."""
+        handle = self.handles[version].options(stream=True)
+        gens = [handle.stream.remote(r) for r in parsed.requests()]
+        try:
+            firsts = await asyncio.gather(*(g.__anext__() for g in gens))
+            for evs in firsts:
+                res = evs[-1].get("result") or {}
+                if res.get("error"):
+                    raise RequestError(res["status"], res["error"], res.get("param"))
+        except BaseException:
+            for g in gens:
+                g.cancel()
+            raise
+        return StreamingResponse(self._events(version, parsed, gens, firsts), media_type="text/event-stream")
+
+    async def _events(self, version: str, parsed: openai_api.Parsed, gens: list, firsts: list[dict]):
+        """The choices' replica events merged in arrival order, as server-sent OpenAI chunks."""
+        shape, arrived = openai_api.StreamShaper(parsed, version), asyncio.Queue()
+
+        async def pump(i: int, gen) -> None:
+            try:
+                async for evs in gen:
+                    arrived.put_nowait((i, evs))
+            except Exception as e:  # noqa: BLE001 - e.g. the replica died: the stream says so and ends
+                arrived.put_nowait((i, [{"failed": type(e).__name__}]))
+
+        for i, evs in enumerate(firsts):
+            arrived.put_nowait((i, evs))
+        pumps = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
+        try:
+            left = len(gens)
+            while left:
+                i, evs = await arrived.get()
+                if "failed" in evs[-1]:
+                    yield openai_api.sse_event(openai_api.error_body(
+                        503, f"the stream failed in the server ({evs[-1]['failed']}); retry"))
+                    break
+                if "result" in evs[-1]:
+                    left -= 1
+                    if evs[-1]["result"]["completion_tokens"]:
+                        self.m["tokens"].inc(evs[-1]["result"]["completion_tokens"], tags={"version": version})
+                # One write for whatever arrived together.
+                text = "".join(openai_api.sse_event(chunk) for ev in evs for chunk in shape.event(i, ev))
+                if text:
+                    yield text
+            tail = shape.close() if not left else []
+            yield "".join(openai_api.sse_event(chunk) for chunk in tail) + openai_api.SSE_DONE
+        finally:  # also when the client goes away mid-stream
+            for t in pumps:
+                t.cancel()
+            for g in gens:
+                g.cancel()
 
     async def _models(self) -> dict:
         roles = {self.stable: "stable", **({self.canary: "canary"} if self.canary else {})}

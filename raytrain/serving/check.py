@@ -76,6 +76,7 @@ def held_out_texts(data: Optional[str], tokenizer, context: int, k: int) -> tupl
 
         split = load_split(data, "--data")
         rows = read_rows(split, 0, min(k, split.num_samples))
+        rows = rows[:, :split.seq_len + 1]  # fine-tuning splits: the tokens column only
         texts, origin = [tokenizer.decode(list(r)) for r in rows], split.uri
     else:
         texts, origin = FALLBACK_TEXTS[:k], "built-in sentences (no held-out split known: pass --data)"

@@ -209,38 +209,94 @@ def _piece_logprobs(p: Parsed, r: dict, j: int, at: int) -> Optional[dict]:
     return _legacy_logprobs([r["gen_pieces"][j]], [r["gen_lp"][j]], [r["gen_top"][j]], at)
 
 
-def chunks(p: Parsed, results: list[dict], version: str) -> Iterator[dict]:
-    """The stream: per choice its echo (completions), then one chunk per generated token, then its finish;
-    a usage chunk when asked (stream_options.include_usage). The texts concatenate to `response`'s."""
-    chat = p.kind == "chat.completion"
-    head = _head(p, version, chunk=True)
+class StreamShaper:
+    """The OpenAI stream of one request, shaped from its choices' replica events as they arrive (choices
+    interleave, each chunk naming its index): per choice its echo (completions) or role (chat) once it is
+    accepted, one chunk per generated token, then its finish; a usage chunk when asked
+    (stream_options.include_usage). Each choice's texts concatenate to `response`'s.
 
-    def chunk(i: int, piece: str, finish=None, logprobs=None, first=False) -> dict:
-        if chat:
+    Replica events (`ModelServer.stream`): {"start": {prompt_pieces, prompt_tokens}}, {"pieces": [...]} (final
+    text, sent as generated), {"result": r} (the rest: pieces not yet sent, log-probabilities, finish)."""
+
+    def __init__(self, p: Parsed, version: str):
+        self.p, self.head = p, _head(p, version, chunk=True)
+        self.at: dict[int, int] = {}  # per choice: characters sent (text_offset of the next token)
+        self.sent: dict[int, int] = {}  # per choice: generated pieces sent
+        self.results: dict[int, dict] = {}
+
+    def _chunk(self, i: int, piece: str, finish=None, logprobs=None, first=False) -> dict:
+        if self.p.kind == "chat.completion":
             delta = ({"role": "assistant", "content": piece} if first else {"content": piece}) if finish is None else {}
-            return {**head, "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}]}
-        return {**head, "choices": [{"index": i, "text": piece, "logprobs": logprobs, "finish_reason": finish}]}
+            return {**self.head, "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+        return {**self.head, "choices": [{"index": i, "text": piece, "logprobs": logprobs, "finish_reason": finish}]}
 
-    for i, r in enumerate(results):
-        at = 0
-        if chat:
-            yield chunk(i, "", first=True)
-        elif p.echo:
+    def event(self, i: int, ev: dict) -> list[dict]:
+        if "start" in ev:
+            return self.start(i, ev["start"])
+        if "pieces" in ev:
+            return self.pieces(i, ev["pieces"])
+        return self.result(i, ev["result"])
+
+    def _echo_now(self) -> bool:
+        return self.p.echo and self.p.top_logprobs is None  # with log-probabilities it waits for the scores
+
+    def start(self, i: int, start: dict) -> list[dict]:
+        self.at[i], self.sent[i] = 0, 0
+        if self.p.kind == "chat.completion":
+            return [self._chunk(i, "", first=True)]
+        if self._echo_now():
+            prompt = "".join(start["prompt_pieces"])
+            self.at[i] = len(prompt)
+            return [self._chunk(i, prompt)]
+        return []
+
+    def pieces(self, i: int, pieces: list[str]) -> list[dict]:
+        out = [self._chunk(i, piece) for piece in pieces]
+        self.sent[i] += len(pieces)
+        self.at[i] += sum(len(x) for x in pieces)
+        return out
+
+    def result(self, i: int, r: dict) -> list[dict]:
+        self.results[i] = r
+        out = []
+        if self.p.echo and not self._echo_now():
             prompt = "".join(r["prompt_pieces"])
-            lp = (_legacy_logprobs(r["prompt_pieces"], [None] + r["prompt_lp"], [None] + r["prompt_top"])
-                  if p.top_logprobs is not None else None)
-            yield chunk(i, prompt, logprobs=lp)
-            at = len(prompt)
-        for j, piece in enumerate(r["gen_pieces"]):
-            yield chunk(i, piece, logprobs=_piece_logprobs(p, r, j, at))
-            at += len(piece)
-        yield chunk(i, "", finish=r["finish_reason"])
-    if p.include_usage:
-        yield {**head, "choices": [], "usage": _usage(p, results)}
+            out.append(self._chunk(i, prompt, logprobs=_legacy_logprobs(
+                r["prompt_pieces"], [None] + r["prompt_lp"], [None] + r["prompt_top"])))
+            self.at[i] = len(prompt)
+        for j in range(self.sent[i], len(r["gen_pieces"])):
+            out.append(self._chunk(i, r["gen_pieces"][j], logprobs=_piece_logprobs(self.p, r, j, self.at[i])))
+            self.at[i] += len(r["gen_pieces"][j])
+        self.sent[i] = len(r["gen_pieces"])
+        return out + [self._chunk(i, "", finish=r["finish_reason"])]
+
+    def close(self) -> list[dict]:
+        """After every choice's result: the usage chunk, when asked."""
+        if not self.p.include_usage:
+            return []
+        return [{**self.head, "choices": [], "usage": _usage(self.p, [self.results[i] for i in sorted(self.results)])}]
+
+
+def chunks(p: Parsed, results: list[dict], version: str) -> Iterator[dict]:
+    """The whole stream of finished results, choice after choice (what a stream is when nothing was sent
+    during generation)."""
+    shape = StreamShaper(p, version)
+    for i, r in enumerate(results):
+        yield from shape.start(i, r)
+        yield from shape.result(i, r)
+    yield from shape.close()
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse_event(e: dict) -> str:
+    """One server-sent event as OpenAI sends them."""
+    return f"data: {json.dumps(e)}\n\n"
 
 
 def sse(events: Iterator[dict]) -> Iterator[str]:
-    """Server-sent events as OpenAI sends them, closed by `data: [DONE]`."""
+    """Server-sent events, closed by `data: [DONE]`."""
     for e in events:
-        yield f"data: {json.dumps(e)}\n\n"
-    yield "data: [DONE]\n\n"
+        yield sse_event(e)
+    yield SSE_DONE

@@ -62,6 +62,12 @@ def resolve(model: str, version: Optional[str] = None, log: Callable[[str], None
     if "@" in model.rstrip("/").rsplit("/", 1)[-1]:
         base, tag = model.rsplit("@", 1)
     uri = storage.absolute(base)
+    if tag is None and storage.exists(storage.join(uri, "adapter_config.json")):  # `raytrain export --adapter`
+        from raytrain import lora
+
+        merged = lora.merged_dir(uri, log)
+        check_model_dir(merged)
+        return ServedModel(merged, version or uri.rstrip("/").rsplit("/", 1)[-1])
     if tag is None and storage.exists(storage.join(uri, "config.json")):
         check_model_dir(uri)
         return ServedModel(uri, version or uri.rstrip("/").rsplit("/", 1)[-1])

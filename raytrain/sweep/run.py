@@ -19,7 +19,8 @@ def sweep_dir(spec: SweepSpec) -> str:
 def anchored(spec: SweepSpec) -> SweepSpec:
     """Local paths made absolute here: Tune runs each trial in its own working directory."""
     probe = trial_config(spec, {})
-    extra = {k: storage.absolute(v) for k, v in (("data.train", probe.data.train), ("data.val", probe.data.val)) if v}
+    extra = {k: storage.absolute(v) for k, v in (("data.train", probe.data.train), ("data.val", probe.data.val))
+             if isinstance(v, str)}  # a mixture's source paths: as given (absolute paths recommended)
     base = spec.base
     if base.endswith((".yaml", ".yml")) or "/" in base:
         base = storage.absolute(base)

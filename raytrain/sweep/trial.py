@@ -115,7 +115,9 @@ def run_trial(config: dict, spec_dict: dict, sweep_dir: str) -> None:
                             "global_batch": cfg.global_batch, "run_uri": cfg.run_uri, "final": True}
     cap = spec.microbatch.memory_cap_mb if spec.search.method == "microbatch" else None
     if cap:
-        vocab = cfg.model.vocab_size or load_split(cfg.data.train, "data.train").vocab_size
+        from raytrain.data.sources import train_uri
+
+        vocab = cfg.model.vocab_size or load_split(train_uri(cfg.data), "data.train").vocab_size
         est = estimate_mb(cfg, vocab)["total_mb"]
         info["memory_est_mb"] = round(est, 1)
         if est > cap:

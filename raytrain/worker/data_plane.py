@@ -7,11 +7,15 @@ a rank reads, never which samples a global batch holds.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from raytrain.data.manifest import Split
+from raytrain.data.mixed_reader import MixedReader
+from raytrain.data.mixture import MixturePlan
 from raytrain.data.plan import SamplePlan
 from raytrain.data.reader import PlannedReader
 
@@ -20,19 +24,27 @@ class DataPlane:
     """This rank's lanes of every global batch from `position` on (`data.*` settings), read ahead."""
 
     def __init__(self, data_cfg, *, split: Split, seed: int, global_batch: int, rank: int, size: int, position: int,
-                 steps_left: int, device="cpu"):
+                 steps_left: int, device="cpu", mixture: Optional[dict] = None):
         self.split, self.global_batch, self.dp_size = split, global_batch, size
-        self.plan = SamplePlan.for_split(split, seed, global_batch, data_cfg.shuffle)
-        self.lanes = self.plan.lanes_of(rank, size)
         self.position = position  # samples of the global stream consumed (a multiple of the global batch)
         self.device = device
-        self.reader = PlannedReader(split, self.plan, self.lanes, position // global_batch,
-                                    stall_timeout_s=data_cfg.stall_timeout_s, on_bad_shard=data_cfg.on_bad_shard,
-                                    end_step=position // global_batch + steps_left)
+        opts = {"stall_timeout_s": data_cfg.stall_timeout_s, "on_bad_shard": data_cfg.on_bad_shard,
+                "end_step": position // global_batch + steps_left}
+        if mixture:  # several sources (raytrain/data/mixture.py): same position, same lanes, one reader each
+            self.plan = MixturePlan.from_dict(mixture, seed=seed, global_batch=global_batch, shuffle=data_cfg.shuffle)
+            self.lanes = self.plan.lanes_of(rank, size)
+            self.reader = MixedReader(self.plan, self.lanes, position // global_batch, **opts)
+        else:
+            self.plan = SamplePlan.for_split(split, seed, global_batch, data_cfg.shuffle)
+            self.lanes = self.plan.lanes_of(rank, size)
+            self.reader = PlannedReader(split, self.plan, self.lanes, position // global_batch, **opts)
         self._step = None
 
     @property
     def epoch(self) -> int:
+        """Whole passes over the training data (a mixture: over all its sources' sequences together)."""
+        if isinstance(self.plan, MixturePlan):
+            return int(self.position // int(self.plan.num_samples.sum()))
         return self.position // self.global_batch // self.plan.steps_per_epoch
 
     @property
@@ -79,7 +91,21 @@ class DataPlane:
                 "read_amplification": t["rows_read"] / t["rows_trained"] if t["rows_trained"] else None,
                 "data_wait_frac_mean": t["data_wait_s"] / world / elapsed_s if elapsed_s > 0 else None,
                 "data_wait_frac_max": w[4] / elapsed_s if elapsed_s > 0 else None,
-                "data_skipped_shards": int(w[5]), "data_cached_units_max": int(w[6])}
+                "data_skipped_shards": int(w[5]), "data_cached_units_max": int(w[6]), **self.mixture_stats()}
+
+    def mixture_stats(self) -> dict:
+        """Per source, from the plan alone (the same on every rank): tokens trained, realised share of the
+        slots so far, passes over its data; {} without a mixture."""
+        if not isinstance(self.plan, MixturePlan):
+            return {}
+        n = self.plan.counts(0, self.position // self.global_batch)
+        total = max(1, int(n.sum()))
+        out: dict = {}
+        for name, c, rows in zip(self.plan.names, n.tolist(), self.plan.num_samples.tolist()):
+            out[f"tokens_seen/{name}"] = c * self.split.seq_len
+            out[f"share/{name}"] = c / total
+            out[f"epochs/{name}"] = c / rows
+        return out
 
     def close(self) -> None:
         self.reader.close()

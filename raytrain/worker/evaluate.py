@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import numpy as np
 import torch
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 
 from raytrain.data.manifest import Split
 from raytrain.data.reader import read_rows
+from raytrain.worker.loss import loss_sums
 
 
 def lm_loss(engine, rows: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
@@ -35,23 +37,61 @@ class Evaluator:
         # step across ranks and are not counted.
         self.valid = len(rows)
         if len(rows) < share:
-            rows = np.concatenate([rows, np.zeros((share - len(rows), split.seq_len + 1), np.int64)])
+            rows = np.concatenate([rows, np.zeros((share - len(rows), split.row_width), np.int64)])
         self.rows = rows
         self.mb, self.device = micro_batch, device
+        # Fine-tuning rows: only learned tokens count, with the training loss's document mask (worker/loss.py).
+        self.window, self.document_mask = split.seq_len + 1, data_cfg.document_mask
 
     @torch.no_grad()
-    def __call__(self, engine) -> tuple[float, float]:
+    def sums(self, engine) -> torch.Tensor:
+        """[loss sum, tokens] over every rank's share (collective)."""
         engine.eval()
-        total = torch.zeros(2, dtype=torch.float64)
-        for i in range(0, len(self.rows), self.mb):
-            x = torch.from_numpy(np.ascontiguousarray(self.rows[i:i + self.mb])).to(self.device)
-            losses = lm_loss(engine, x, reduction="none").view(len(x), -1)[:max(0, self.valid - i)]
-            total[0] += losses.sum().double().cpu()
-            total[1] += losses.numel()
+        total = torch.tensor(loss_sums(engine, self.rows, micro_batch=self.mb, window=self.window,
+                                       document_mask=self.document_mask, valid=self.valid, device=self.device),
+                             dtype=torch.float64)
         engine.train()
         if dist.is_initialized():
             total = total.to(self.device)  # NCCL reduces device tensors only
             dist.all_reduce(total)
             total = total.cpu()
-        loss = (total[0] / total[1]).item() if total[1] else float("nan")
-        return loss, math.exp(min(loss, 50.0))
+        return total
+
+    def __call__(self, engine) -> tuple[float, float]:
+        return _loss_ppl(self.sums(engine))
+
+    def record(self, engine) -> dict:
+        """The figures of one evaluation, as the run log names them."""
+        loss, ppl = self(engine)
+        return {"val_loss": loss, "val_ppl": ppl}
+
+
+def _loss_ppl(total: torch.Tensor) -> tuple[float, float]:
+    loss = (total[0] / total[1]).item() if total[1] else float("nan")
+    return loss, math.exp(min(loss, 50.0))
+
+
+class MixtureEvaluator:
+    """A mixture's validation: val_loss/<name>, val_ppl/<name> per source with a val split, and the overall
+    val_loss / val_ppl (data.val's when set, else all the sources' validation tokens pooled)."""
+
+    def __init__(self, data_cfg, *, overall: Optional[Split], sources: dict, **kw):
+        self.overall = Evaluator(data_cfg, split=overall, **kw) if overall else None
+        self.parts = {name: Evaluator(data_cfg, split=Split.from_dict(d), **kw) for name, d in sources.items()}
+
+    def record(self, engine) -> dict:
+        rec, pooled = {}, torch.zeros(2, dtype=torch.float64)
+        for name, ev in self.parts.items():
+            total = ev.sums(engine)
+            pooled += total
+            rec[f"val_loss/{name}"], rec[f"val_ppl/{name}"] = _loss_ppl(total)
+        rec["val_loss"], rec["val_ppl"] = self.overall(engine) if self.overall else _loss_ppl(pooled)
+        return rec
+
+
+def evaluator_for(data_cfg, *, split: Optional[Split], sources: Optional[dict], **kw):
+    """The run's evaluator (keywords: micro_batch, rank, world, device), or None when there is nothing to
+    evaluate: per source when the mixture's sources have val splits, else on data.val."""
+    if sources:
+        return MixtureEvaluator(data_cfg, overall=split, sources=sources, **kw)
+    return Evaluator(data_cfg, split=split, **kw) if split else None

@@ -20,17 +20,21 @@ from raytrain.config import Config
 from raytrain.data.manifest import Split
 from raytrain.ds_config import build_ds_config, lr_lambda, resolve_dtype
 from raytrain.errors import UserError
-from raytrain.ckpt.layout import dir_name
-from raytrain.ckpt.restore import find_resume_point, peek_state, restore
+from raytrain.ckpt.layout import dir_name, step_of
+from raytrain.ckpt.memory import MemoryTier, apply as apply_snapshot
+from raytrain.ckpt.restore import find_memory_point, find_resume_point, peek_state, restore
 from raytrain.ckpt.rollback import roll_back
 from raytrain.ckpt.state import TrainState
 from raytrain.ckpt.writer import CheckpointWriter
+from raytrain import lora
 from raytrain.faults import Faults
 from raytrain.model import build_model, compile_engine, flops_per_token, moe_aux_loss, param_counts, param_groups
 from raytrain.quiet import no_stdout, quiet_worker
 from raytrain.worker.comm import watch_for_run
 from raytrain.worker.data_plane import DataPlane
-from raytrain.worker.evaluate import Evaluator, lm_loss
+from raytrain.worker.downstream import DownstreamEvals
+from raytrain.worker.evaluate import evaluator_for
+from raytrain.worker.loss import StepLoss
 from raytrain.worker.interval import cadence_for, run_history
 from raytrain.worker.preemption import PreemptionNotice
 from raytrain.worker.runlog import Attempt, RunLog, progress_every, say
@@ -63,26 +67,40 @@ class WorkerRun:
         # restart inside one job or the same run submitted again. (Ray's own registry can miss the newest
         # one when a worker dies right after uploading; our manifests cannot.) A checkpoint written by
         # another number of workers is loaded through DeepSpeed's universal format.
-        resumed = find_resume_point(cfg.run_uri, rank, deep=cfg.checkpoint.verify_on_resume == "checksum",
-                                    local_dir=cfg.checkpoint.local_dir,
-                                    tensor_parallel=cfg.deepspeed.tensor_parallel_size > 1)
+        # Host memory before storage: this node's snapshot of the newest step every rank holds (ckpt/memory.py).
+        self.memory = MemoryTier(cfg.checkpoint, run_uri=cfg.run_uri, rank=rank, world=world,
+                                 enabled=cfg.deepspeed.tensor_parallel_size == 1)
+        self.from_memory = find_memory_point(self.memory, rank, cfg.run_uri)
+        resumed = None if self.from_memory else find_resume_point(
+            cfg.run_uri, rank, deep=cfg.checkpoint.verify_on_resume == "checksum", local_dir=cfg.checkpoint.local_dir,
+            tensor_parallel=cfg.deepspeed.tensor_parallel_size > 1)
         self.boot = {"resume_point": time.time()}  # start-up phases (when each ended): where a recovery's seconds go
         self.engine, self.n_params, n_active = self._build_engine(resumed, train_split, device)
         dp_rank, self.dp_size = _data_parallel_rank(cfg, rank, world)
         self.boot["engine"] = time.time()
         started, earlier_attempts = run_history(cfg.run_uri)
         self.state = self._restore(resumed, earlier_attempts)
+        if self.lora_base is not None:  # the adapter must meet the base it was trained on
+            lora.check_base(self.state.lora_base, self.lora_base["sha256"], resumed.uri if resumed else cfg.run_uri)
+            self.state.lora_base = self.lora_base
         self.boot["restore"] = time.time()
         self.resumed_from = dir_name(self.state.step) if resumed else None
         # This rank's rows of each global batch, by the sample plan, read ahead in the background.
         self.data = DataPlane(cfg.data, split=train_split, seed=cfg.run.seed, global_batch=cfg.global_batch,
                               rank=dp_rank, size=self.dp_size, position=self.state.samples_seen,
-                              steps_left=cfg.run.max_steps - self.state.step, device=device)
-        self.evaluate = Evaluator(cfg.data, split=val_split, micro_batch=cfg.batch.micro_batch_size, rank=dp_rank,
-                                  world=self.dp_size, device=device) if val_split else None
+                              steps_left=cfg.run.max_steps - self.state.step, device=device,
+                              mixture=loop_config.get("mixture"))
+        self.loss = StepLoss(cfg.data, window=train_split.seq_len + 1, accumulation=cfg.accumulation, world=world,
+                             dp_size=self.dp_size, device=device)  # masked and globally normalised for examples
+        self.evaluate = evaluator_for(cfg.data, split=val_split, sources=loop_config.get("val_sources"),
+                                      micro_batch=cfg.batch.micro_batch_size, rank=dp_rank, world=self.dp_size,
+                                      device=device)
         self.log = RunLog(cfg.run_uri, cfg.run.max_steps, self.state.step, enabled=rank == 0,
                           progress_every=progress_every(cfg.run.progress_every, cfg.run.log_every, cfg.run.max_steps),
                           trackers=Trackers(cfg, enabled=rank == 0, restarts=self.state.restarts, log=say))
+        # Downstream (lm-eval) evaluations of committed checkpoints, on Ray tasks of their own (rank 0 hands over).
+        self.downstream = DownstreamEvals(cfg.eval, run_uri=cfg.run_uri, enabled=rank == 0, logged=self.log.history,
+                                          log=say)
         # The checkpoint this attempt resumed from is never pruned while it runs.
         self.writer = CheckpointWriter(cfg.checkpoint, run_uri=cfg.run_uri, rank=rank, world=world,
                                        protect=(f"{cfg.run_uri}/{self.resumed_from}",) if resumed else ())
@@ -123,11 +141,14 @@ class WorkerRun:
         """The run's opening line (rank 0) and, on a fresh start, the step-0 validation (collective)."""
         if self.rank == 0:
             say(_banner(self.cfg, n_params=self.n_params, world=self.world, dp_size=self.dp_size, dtype=self.dtype,
-                        resumed_step=self.state.step if self.resumed_from else None, cadence=self.cadence))
+                        resumed_step=self.state.step if self.resumed_from or self.from_memory else None,
+                        cadence=self.cadence))
+            if self.lora_base is not None:
+                say(lora.describe(self.engine.module, self.cfg.model, self.n_params))
         if self.evaluate and self.state.step == 0:
-            val_loss, val_ppl = self.evaluate(self.engine)
-            self.log.write({"step": 0, "val_loss": val_loss, "val_ppl": val_ppl})
-            self.log.console({"step": 0, "val_loss": val_loss, "val_ppl": val_ppl})
+            rec = {"step": 0, **self.evaluate.record(self.engine)}
+            self.log.write(rec)
+            self.log.console(rec)
         self.attempt = Attempt(self.cfg.run_uri, rank=self.rank, world=self.world, state=self.state,
                                t_start=self.t_start, boot=self.boot)  # recovery time, steps lost, cost
         self.window = Window(self.tel.timer)
@@ -151,18 +172,23 @@ class WorkerRun:
         """Log, evaluate, checkpoint when due (every rank decides alike: the collectives inside never hang)."""
         cfg, step = self.cfg, self.state.step
         last = step == cfg.run.max_steps
+        self._log_downstream(self.downstream.poll(self.writer.committed))
         if verdict.preempted:
             self.state.preemptions += 1  # survived once its checkpoint commits; the checkpoint carries the count
         do_log = step % cfg.run.log_every == 0 or last
         do_eval = self.evaluate is not None and ((cfg.run.eval_every and step % cfg.run.eval_every == 0) or last)
         do_ckpt = verdict.checkpoint_now or (last and cfg.checkpoint.save_final) or verdict.preempted is not None
+        # Before any storage save of this step: memory is never older than a committed checkpoint.
+        self.memory.snapshot(self.engine, self.state, force=do_ckpt,
+                             committed=step_of(self.writer.committed) if self.writer.committed else None)
         if not (do_log or do_eval or do_ckpt):
             return
         rec: dict = {"step": step}
         if do_log:
             rec.update(self._log_record(verdict.loss, aux))
+            rec.update(self.memory.record())
         if do_eval:
-            rec["val_loss"], rec["val_ppl"] = self.evaluate(self.engine)
+            rec.update(self.evaluate.record(self.engine))
         self.tel.observe(rec, sync=do_eval or do_ckpt)
         self.log.write(rec, sync=True if (do_eval or do_ckpt) else None)
         if do_ckpt:
@@ -180,6 +206,7 @@ class WorkerRun:
     def roll_back(self, bad) -> None:
         """A bad loss: back to the newest checkpoint, past the bad batch (collective)."""
         self.writer.wait()  # the newest checkpoint must be committed before it can be rolled back to
+        self.memory.invalidate()  # the snapshots since that checkpoint belong to the bad timeline
         self.state = roll_back(bad, tel=self.tel, engine=self.engine, state=self.state, data=self.data,
                                run_uri=self.cfg.run_uri, global_batch=self.cfg.global_batch)
         self.data.run_until(self.cfg.run.max_steps - self.state.step)  # the steps since the checkpoint are trained again
@@ -193,10 +220,15 @@ class WorkerRun:
         data_stats = self.data.stats(self.world, self.window.since_start())
         self.data.close()
         self.writer.wait()
+        self._log_downstream(self.downstream.poll(self.writer.committed, final=True)
+                             + self.downstream.drain(self.cfg.eval.wait_at_end_s))
         self.attempt.close()
         if self.rank == 0:
             self.log.write_summary(self.cfg, self.state, checkpoint=self.writer.committed or self.resumed_from,
-                                   params=self.n_params, extra={**self.tel.summary(), **data_stats})
+                                   params=self.n_params,
+                                   extra={**self.tel.summary(), **data_stats, **self.downstream.summary(), **(
+                                       {"trainable_params": lora.trainable_count(self.engine.module)}
+                                       if self.lora_base is not None else {})})
         self.tel.close()
         self.comm.close()
 
@@ -218,6 +250,7 @@ class WorkerRun:
         with no_stdout():
             model = build_model(cfg.model, vocab, cfg.run.seed, train_split.eot_id, ds_config=ds_config)
         n_params, n_active = param_counts(model, cfg.model)  # active per token (MoE: top-k experts): the FLOPs behind MFU
+        model, self.lora_base = lora.prepare_model(model, cfg.model, seed=cfg.run.seed)  # peft when model.lora.r > 0
         self.boot["model"] = time.time()
         with no_stdout():
             engine, _, _, _ = deepspeed.initialize(
@@ -230,7 +263,12 @@ class WorkerRun:
     def _restore(self, resumed, earlier_attempts: int) -> TrainState:
         """Engine, RNG and counters from the resume point (collective), or a fresh state."""
         state = TrainState(world_size=self.world, global_batch=self.cfg.global_batch)
-        if resumed is not None:
+        if self.from_memory is not None:
+            state = apply_snapshot(self.engine, self.from_memory.state)
+            self.from_memory.state = None  # the copy is in the engine now
+            state.restarts += 1
+            state.world_size, state.global_batch = self.world, self.cfg.global_batch
+        elif resumed is not None:
             state = restore(self.engine, resumed, rank=self.rank, world=self.world)
             state.restarts += 1
             state.global_batch = self.cfg.global_batch
@@ -245,10 +283,11 @@ class WorkerRun:
         mb, acc = cfg.batch.micro_batch_size, cfg.accumulation
         loss_sum = torch.zeros((), device=self.device)
         aux_sum = torch.zeros((), device=self.device)  # MoE router load-balancing loss, logged as aux_loss
+        self.loss.begin(rows)  # fine-tuning rows: the global batch's learned-token count (collective)
         for a in range(acc):
             x = _to_device(rows[a * mb:(a + 1) * mb], self.device, cfg.data.pin_memory)
             with timer("forward_backward"):
-                loss = self.faults.loss(self.state.samples_seen, lm_loss(engine, x))
+                loss = self.faults.loss(self.state.samples_seen, self.loss(engine, x))
                 aux = moe_aux_loss(engine.module)
                 engine.backward(loss if aux is None else loss + cfg.model.moe_aux_loss_coef * aux)
             with timer("optimizer"):
@@ -283,6 +322,14 @@ class WorkerRun:
         rec.update(self.tel.log_step({"step": self.state.step, **rec}, self.state, window_steps, dt))
         win.reset()
         return rec
+
+    def _log_downstream(self, recs: list[dict]) -> None:
+        """Finished downstream evaluations, at their checkpoints' steps: metrics.jsonl, trackers, Prometheus."""
+        for rec in recs:
+            self.tel.observe(rec)
+            self.log.write(rec, sync=True)
+            say(f"downstream evaluation of step {rec['step']}: " + ", ".join(
+                f"{k[5:]} {v:.4f}" for k, v in rec.items() if k.startswith("eval/") and "_stderr" not in k))
 
     def _checkpoint(self, preempted: Optional[str]) -> None:
         """Save (collective) and record what it cost; the progress line names it."""

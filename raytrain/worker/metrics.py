@@ -44,6 +44,8 @@ CATALOGUE: dict[str, tuple[str, str, Optional[str], float]] = {
     "raytrain_rollbacks": ("gauge", "automatic rollbacks after a NaN/inf or spiking loss", "rollbacks", 1.0),
     "raytrain_checkpoints_total": ("counter", "checkpoints saved by this worker process", None, 1.0),
     "raytrain_health_violations_total": ("counter", "health-rule violations (label rule)", None, 1.0),
+    "raytrain_eval_score": ("gauge", "downstream evaluation (lm-evaluation-harness) of the newest evaluated "
+                            "checkpoint (labels task, metric)", None, 1.0),
 }
 ACCELERATOR_ONLY = {"raytrain_accelerator_memory_allocated_bytes", "raytrain_accelerator_memory_reserved_bytes",
                     "raytrain_accelerator_memory_peak_bytes"}
@@ -66,7 +68,8 @@ class RayMetrics:
         self._m = {}
         for name, (kind, help_, _, _) in CATALOGUE.items():
             keys = ("run", "worker") + (("phase",) if name == "raytrain_step_phase_seconds" else ()) + \
-                (("rule",) if name == "raytrain_health_violations_total" else ())
+                (("rule",) if name == "raytrain_health_violations_total" else ()) + \
+                (("task", "metric") if name == "raytrain_eval_score" else ())
             self._m[name] = (Gauge if kind == "gauge" else Counter)(name, description=help_, tag_keys=keys)
         self._thread = threading.Thread(target=self._refresh, args=(refresh_s,), daemon=True,
                                         name="raytrain-metrics")
@@ -93,6 +96,10 @@ class RayMetrics:
             v = rec.get(key) if key else None
             if kind == "gauge" and isinstance(v, (int, float)) and not isinstance(v, bool):
                 self._set(name, float(v) * factor)
+        for key, v in rec.items():
+            if key.startswith("eval/") and isinstance(v, (int, float)) and key.count("/") >= 2:
+                _, task, metric = key.split("/", 2)
+                self._set("raytrain_eval_score", float(v), task=task, metric=metric)
         for phase in PHASES:
             v = rec.get(f"phase_{phase}_s")
             if isinstance(v, (int, float)):

@@ -73,6 +73,61 @@ def dataplane(log: Callable = print, workers=(8, 64, 512, 1024), batches=(512, 1
     return out
 
 
+# Mixtures simulated: weights and the share of the corpus bytes each source holds (different sizes, so the
+# small, heavily weighted sources repeat within an epoch of the large ones).
+MIXTURES = {2: ((0.8, 0.2), (0.9, 0.1)),
+            8: ((0.3, 0.2, 0.15, 0.1, 0.1, 0.08, 0.04, 0.03), (0.4, 0.25, 0.1, 0.1, 0.05, 0.05, 0.03, 0.02))}
+
+
+def simulate_source(plan, i: int, world: int) -> dict:
+    """One epoch of source i's plan in stage 0 at `world` ranks, each rank reading every unit its slots touch."""
+    from raytrain.data.mixture import MixturePlan
+
+    assert isinstance(plan, MixturePlan)
+    st, sub = plan.stages[0], plan.source_plan(i, 0)
+    L, per = sub.steps_per_epoch, plan.global_batch // world
+    order, starts = sub.epoch_order(0)
+    rows = sub.unit_rows[order]
+    end = np.minimum(starts + rows, sub.trained_per_epoch)
+    used = starts < sub.trained_per_epoch
+    first = (starts[used] // L + st.base[i]) // per  # the rank of the unit's first and last lane
+    last = ((end[used] - 1) // L + st.base[i]) // per
+    ranks = last - first + 1
+    trained = int(plan.counts(0, L)[i])  # slots the source fills over the epoch (boundary lanes: part of the time)
+    return {"read_amplification": float((rows[used] * ranks).sum()) / trained, "lanes": int(st.lanes[i]),
+            "slots_per_batch": float(st.weights[i] * plan.global_batch), "ranks_per_unit_max": int(ranks.max())}
+
+
+def mixture_figures(log: Callable = print, sources=(2, 8), workers=(8, 64, 512, 1024), batches=(512, 1024, 2048),
+                    corpus_bytes: int = CORPUS_BYTES) -> list[dict]:
+    """Mixtures of 2 and 8 sources of different sizes: the worst source's read amplification at each N."""
+    from benchkit.parts import figure
+    from raytrain.data.manifest import Split
+    from raytrain.data.mixture import MixturePlan
+
+    n_units = corpus_bytes // (ROW_BYTES * UNIT_ROWS)
+    out = []
+    log(f"   {'K':>2} {'N':>5} {'gb':>5} {'worst source read ampl.':>24} {'its slots/batch':>15} {'all sources':>40}")
+    for k in sources:
+        weights, sizes = MIXTURES[k]
+        splits = [Split(uri=f"sim{j}", shard_uris=(), shard_rows=tuple([UNIT_ROWS] * max(1, int(n_units * f))),
+                        seq_len=TOKENS - 1, vocab_size=1, eot_id=0, tokenizer_uri="") for j, f in enumerate(sizes)]
+        for gb in batches:
+            plan = MixturePlan(splits, [f"s{j}" for j in range(k)], [(0, weights)], seed=0, global_batch=gb)
+            for n in workers:
+                if gb < n or gb % n:
+                    continue
+                per = [simulate_source(plan, j, n) for j in range(k)]
+                worst = max(per, key=lambda r: r["read_amplification"])
+                log(f"   {k:>2} {n:>5} {gb:>5} {worst['read_amplification']:>24.4f} {worst['slots_per_batch']:>15.1f} "
+                    + " ".join(f"{r['read_amplification']:.3f}" for r in per))
+                out.append(figure("dataplane", f"mixture of {k}: worst source's read amplification, N={n}, gb={gb}",
+                                  worst["read_amplification"], "x", "one split (no mixture): 1.0", 1.0, "<= 1.1",
+                                  met=worst["read_amplification"] <= 1.1, workers=n, global_batch=gb, sources=k,
+                                  per_source=[r["read_amplification"] for r in per]))
+    return out
+
+
 def runs(tmp: str, log: Callable = print, workers=(1, 2, 4), steps: int = 0, s3: Optional[str] = None,
          quick: bool = False) -> list[dict]:
     """Real training runs under the plan (tiny model, CPU), one epoch of python-docs in 8-row shards (~190 units),

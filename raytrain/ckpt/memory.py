@@ -1,0 +1,248 @@
+"""The host-memory checkpoint tier, each rank's side: capture its state after the optimizer step, restore it at start.
+
+Each node of a run has one detached actor (raytrain/ckpt/node_memory.py) that owns the run's shared-memory files on
+that node: two generations per rank (raytrain/ckpt/snapshot.py lays them out). Right after the optimizer step
+each rank copies its own resumable state - what a storage checkpoint holds for that rank: its ZeRO partition of the fp32 weights and optimizer state, the LR
+scheduler, the engine's and the run's counters (data position included) and its RNG streams - straight into the
+older generation; no actor call is on that path. The files outlive the worker processes, so a restarted worker group
+restores from them (raytrain/ckpt/restore.py agrees on the step) instead of from storage; a rank whose node has
+none (the node was lost, or the rank landed elsewhere) fetches its newest generation from another node's actor
+(its own files or the peer copy it received).
+
+Bytes per rank: fp32 weights + Adam m and v of its partition = 12 x params / data-parallel ranks (16-bit weights are
+rebuilt from fp32 on restore, never copied), times two generations.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from typing import Optional
+
+from raytrain.ckpt import snapshot
+from raytrain.ckpt.node_memory import NAMESPACE, actor_name, node_actor, run_actors
+from raytrain.ckpt.state import TrainState, rng_state, set_rng_state
+
+FORMAT = 1  # the state dict's shape inside a snapshot; a restore refuses other versions
+
+
+def engine_kind(engine) -> Optional[str]:
+    """How a snapshot captures this engine: 'zero' (a ZeRO optimizer's own partition), 'plain' (module + torch
+    optimizer: ZeRO-0 in fp32), or None (an optimizer wrapper the memory tier does not handle)."""
+    import torch
+
+    opt = engine.optimizer
+    if type(opt).__name__ in ("DeepSpeedZeroOptimizer", "DeepSpeedZeroOptimizer_Stage3"):
+        return "zero"
+    if isinstance(opt, torch.optim.Optimizer) and type(opt).__module__.startswith("torch."):
+        return "plain"
+    return None
+
+
+def capture(engine, state: TrainState, kind: str, committed: Optional[int]) -> dict:
+    """This rank's resumable state (references to the live tensors: copy before the next step)."""
+    sd = {"format": FORMAT, "kind": kind, "train_state": asdict(state), "rng": rng_state(), "committed": committed,
+          "engine": {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
+                     "skipped_steps": engine.skipped_steps},
+          "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None}
+    if kind == "zero":
+        sd["optimizer"] = engine.optimizer.state_dict()
+    else:
+        sd["module"] = engine.module.state_dict()
+        sd["optimizer"] = engine.optimizer.state_dict()
+    return sd
+
+
+def apply(engine, sd: dict) -> TrainState:
+    """Put a captured state back into a freshly built engine of the same layout (collective under ZeRO: the
+    16-bit weights are all-gathered from the restored fp32 partitions)."""
+    import torch.distributed as dist
+
+    opt = engine.optimizer
+    if sd["kind"] == "zero":
+        group = getattr(opt, "dp_process_group", None)
+        dp_rank = dist.get_rank(group=group) if dist.is_initialized() else 0
+        dp_size = dist.get_world_size(group=group) if dist.is_initialized() else 1
+        per_rank = [None] * dp_size
+        per_rank[dp_rank] = sd["optimizer"]
+        if hasattr(opt, "checkpoint_event_prologue"):
+            opt.checkpoint_event_prologue()
+        opt.load_state_dict(per_rank, load_optimizer_states=True, load_from_fp32_weights=True)
+        if type(opt).__name__ == "DeepSpeedZeroOptimizer":
+            opt.update_lp_params()  # ZeRO-1/2: the 16-bit weights from the fp32 partitions (ZeRO-3 does it inside)
+        if hasattr(opt, "checkpoint_event_epilogue"):
+            opt.checkpoint_event_epilogue()
+    else:
+        engine.module.load_state_dict(sd["module"])
+        opt.load_state_dict(sd["optimizer"])
+    if sd["lr_scheduler"] is not None and engine.lr_scheduler is not None:
+        engine.lr_scheduler.load_state_dict(sd["lr_scheduler"])
+    engine.global_steps = sd["engine"]["global_steps"]
+    engine.global_samples = sd["engine"]["global_samples"]
+    engine.skipped_steps = sd["engine"]["skipped_steps"]
+    set_rng_state(sd["rng"])
+    return TrainState.from_dict(sd["train_state"])
+
+
+class MemoryTier:
+    """One rank's snapshots in its node's shared memory: `snapshot` after the optimizer step, `candidates` and
+    `load` at start-up. Off (every method a no-op) when checkpoint.memory is false or the budget does not fit."""
+
+    def __init__(self, ckpt_cfg, *, run_uri: str, rank: int, world: int, enabled: bool = True):
+        self.c, self.run_uri, self.rank, self.world = ckpt_cfg, run_uri, rank, world
+        self.enabled = bool(ckpt_cfg.memory) and enabled
+        self.last_stall_s: Optional[float] = None
+        self.bytes = 0  # one generation of this rank
+        self._gen = 0  # the generation the next snapshot overwrites
+        self._paths: dict[int, str] = {}
+        self._sizes: dict[int, int] = {}  # bytes of each generation's file this rank has asked for
+        self.actor = None  # this node's NodeMemory: looked up at start-up, created (not waited for) when missing
+        self._said = False
+        self.source = "memory:local"  # where candidates() found this rank's snapshots
+        self.samples: dict[int, int] = {}  # step -> data position of the candidates found
+
+    def candidates(self) -> dict[int, int]:
+        """{step: generation} of this rank's generations on this node that are complete and intact (every buffer's
+        crc checked) and were written by a world of this size."""
+        if not self.enabled:
+            return {}
+        import ray
+
+        try:
+            node = ray.get_runtime_context().get_node_id()
+            self.actor = ray.get_actor(actor_name(self.run_uri, node), namespace=NAMESPACE)
+        except ValueError:  # none on this node yet (a fresh start, or a new node): it starts while we build
+            self.actor = node_actor(self.run_uri, self.c)
+            return self._from_peers() if run_actors(self.run_uri) else {}
+        out = self._local()
+        return out or self._from_peers()
+
+    def _local(self) -> dict[int, int]:
+        import ray
+
+        out: dict[int, int] = {}
+        for path in ray.get(self.actor.paths.remote(self.rank)):
+            gen = int(path.rsplit("-g", 1)[1])
+            h = snapshot.read_header(path)
+            if (h and h.get("format") == FORMAT and h.get("rank") == self.rank and h.get("world") == self.world
+                    and snapshot.verify(path, h)):
+                out[int(h["step"])] = gen
+                self._paths[gen] = path
+                self.samples[int(h["step"])] = h.get("samples")
+        return out
+
+    def _from_peers(self) -> dict[int, int]:
+        """This rank's newest generation held by another node's actor (the peer copy of a lost node, or the files
+        of a node the rank ran on before), copied into this node's generation 0; {} when none has one."""
+        import ray
+
+        refs = []
+        for name in run_actors(self.run_uri):  # this node's too: it may hold the peer copy of this rank
+            try:
+                refs.append(ray.get_actor(name, namespace=NAMESPACE).fetch.remote(self.rank, self.world))
+            except ValueError:  # gone with its node since the listing
+                continue
+        best: Optional[tuple[dict, bytes]] = None
+        for ref in refs:
+            try:
+                data = ray.get(ref, timeout=self.c.memory_fetch_timeout_s)
+            except Exception:  # noqa: BLE001 - an actor on a node being lost: the others may still have it
+                continue
+            h = snapshot.header_of(data) if data else None
+            if h and h.get("format") == FORMAT and (best is None or h["step"] > best[0]["step"]):
+                best = (h, data)
+        path = self._path(0, len(best[1])) if best else None
+        if path is None:
+            return {}
+        snapshot.place(path, best[1])
+        h = snapshot.read_header(path)
+        if not (h and snapshot.verify(path, h)):
+            return {}
+        self._paths[0], self.source = path, "memory:peer"
+        self.samples[int(h["step"])] = h.get("samples")
+        return {int(h["step"]): 0}
+
+    def committed_floor(self, candidates: dict[int, int]) -> Optional[int]:
+        """The newest storage checkpoint this rank's newest snapshot knew to be committed (rank 0 records it)."""
+        if not candidates:
+            return None
+        h = snapshot.read_header(self._paths[candidates[max(candidates)]])
+        return (h or {}).get("committed")
+
+    def load(self, gen: int) -> dict:
+        """The state in generation `gen`, copied out and checked again; a failure invalidates it and says what to do."""
+        path = self._paths[gen]
+        h = snapshot.read_header(path)
+        snap = snapshot.load(path, h) if h else None
+        if snap is None:
+            snapshot.invalidate(path)
+            raise RuntimeError(f"rank {self.rank}: the memory snapshot in {path} changed or broke while it was read; "
+                               "the next restart restores from the other generation or from storage")
+        self._gen = 1 - gen
+        return snap.state
+
+    def snapshot(self, engine, state: TrainState, *, committed: Optional[int] = None, force: bool = False) -> None:
+        """Copy this rank's state into the older generation when due (every memory_every_n_steps, and at every
+        storage checkpoint, before it is saved: memory is then never older than a committed checkpoint)."""
+        if not self.enabled or not (force or state.step % self.c.memory_every_n_steps == 0):
+            return
+        t0 = time.perf_counter()
+        kind = engine_kind(engine)
+        if kind is None:
+            return self._off(f"optimizer {type(engine.optimizer).__name__} is not one the memory tier captures")
+        skeleton, tensors = snapshot.dump_skeleton(capture(engine, state, kind, committed))
+        path = self._path(self._gen, snapshot.size_needed(skeleton, tensors))
+        if path is None:
+            return
+        # samples: the data position tells timelines apart (a rollback skips a window; its old snapshots differ).
+        meta = {"format": FORMAT, "step": state.step, "world": self.world, "rank": self.rank, "committed": committed,
+                "samples": state.samples_seen, "time": round(time.time(), 3)}
+        snapshot.write(path, meta, skeleton, tensors)
+        self._gen = 1 - self._gen
+        self.last_stall_s = time.perf_counter() - t0
+        k = self.c.memory_peer_every_n_steps
+        if k and state.step % k == 0:
+            # Not waited for: the actor drops it while this rank's previous copy is still on its way.
+            self.actor.replicate.remote(self.rank, path)
+
+    def invalidate(self) -> None:
+        """This rank's snapshots end their timeline (a rollback, or a start that did not restore from them)."""
+        if not self.enabled:
+            return
+        for path in self._paths.values():
+            snapshot.invalidate(path)
+        self._gen = 0
+
+    def record(self) -> dict:
+        """The last snapshot's stall, for metrics.jsonl."""
+        return {"snapshot_stall_s": round(self.last_stall_s, 6)} if self.last_stall_s is not None else {}
+
+    def _path(self, gen: int, nbytes: int) -> Optional[str]:
+        """Generation `gen`'s file, at least nbytes long (asked of the node's actor only when it must grow)."""
+        import ray
+
+        from raytrain.worker.runlog import say
+
+        if self._sizes.get(gen, 0) >= nbytes:
+            return self._paths[gen]
+        want = int(nbytes * 1.02) + 2**20  # headroom: the pickled counters and RNG state vary a little in size
+        path = ray.get(self.actor.segment.remote(self.rank, gen, want))
+        if path is None:
+            self._off(f"{want / 2**20:,.1f} MiB more would exceed checkpoint.memory_budget_gb="
+                      f"{self.c.memory_budget_gb:g} or the free space of {self.c.memory_dir}")
+            return None
+        self._paths[gen], self._sizes[gen], self.bytes = path, want, max(self.bytes, want)
+        if gen == 1 and not self._said and self.rank == 0:
+            self._said = True
+            held = ray.get(self.actor.held_bytes.remote())
+            say(f"memory snapshots every {self.c.memory_every_n_steps} step(s): {nbytes / 2**20:,.2f} MiB per rank "
+                f"per generation (about 12 x params / data-parallel ranks), x2 generations; {held / 2**20:,.2f} MiB "
+                f"on rank 0's node in {self.c.memory_dir}")
+        return path
+
+    def _off(self, why: str) -> None:
+        from raytrain.worker.runlog import say
+
+        say(f"warning: rank {self.rank}: memory snapshots off ({why}); recovery restores from storage checkpoints")
+        self.invalidate()
+        self.enabled = False

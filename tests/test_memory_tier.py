@@ -1,0 +1,153 @@
+"""The host-memory snapshot format and the ranks' agreement on a step, without Ray: a torn, blank or mixed generation is
+never loaded, a kill in the middle of a copy leaves the other generation loadable."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from raytrain.ckpt import snapshot
+from raytrain.ckpt.restore import agree_step
+
+
+def _state(step: int, n: int = 1000) -> dict:
+    return {"step": step, "opt": {"m": torch.full((n,), float(step)), "v": [torch.arange(3) + step, (torch.tensor(step),)]},
+            "rng": torch.full((7,), step, dtype=torch.uint8), "empty": torch.empty(0)}
+
+
+def _write(path: str, step: int, n: int = 1000) -> dict:
+    skeleton, tensors = snapshot.dump_skeleton(_state(step, n))
+    if not os.path.exists(path) or os.path.getsize(path) < snapshot.size_needed(skeleton, tensors):
+        with open(path, "ab") as f:
+            f.truncate(snapshot.size_needed(skeleton, tensors))
+    return snapshot.write(path, {"step": step, "world": 2, "rank": 0}, skeleton, tensors)
+
+
+def _load(path: str):
+    h = snapshot.read_header(path)
+    return snapshot.load(path, h) if h and snapshot.verify(path, h) else None
+
+
+def test_round_trip_and_torn_or_mixed_generations_are_refused(tmp_path, monkeypatch):
+    g0, g1 = str(tmp_path / "g0"), str(tmp_path / "g1")
+    _write(g0, 5)
+    _write(g1, 6)
+    snap = _load(g1)
+    assert snap.step == 6 and torch.equal(snap.state["opt"]["m"], torch.full((1000,), 6.0))
+    assert torch.equal(snap.state["opt"]["v"][0], torch.arange(3) + 6) and snap.state["opt"]["v"][1][0].item() == 6
+    assert snap.state["rng"].dtype == torch.uint8 and snap.state["empty"].numel() == 0
+
+    # A copy killed half-way (here: it raises at the second tensor): the magic was zeroed first, so g1 is blank;
+    # g0 still loads.
+    real, calls = snapshot._as_bytes, []
+
+    def dies(t):
+        calls.append(t)
+        if len(calls) == 2:
+            raise KeyboardInterrupt("killed mid-copy")
+        return real(t)
+
+    monkeypatch.setattr(snapshot, "_as_bytes", dies)
+    with pytest.raises(KeyboardInterrupt):
+        _write(g1, 7)
+    monkeypatch.setattr(snapshot, "_as_bytes", real)
+    assert snapshot.read_header(g1) is None and _load(g1) is None
+    assert _load(g0).step == 5
+
+    # Mixed: step 8's header over data that changed afterwards (another step's bytes): the buffer crc refuses it.
+    h = _write(g1, 8)
+    off = h["buffers"][1]["off"]
+    with open(g1, "r+b") as f:
+        f.seek(off)
+        f.write(torch.full((10,), 9.0).numpy().tobytes())
+    assert snapshot.read_header(g1) == h and not snapshot.verify(g1, h) and snapshot.load(g1, h) is None
+    # A torn commit block (the magic written, the header's crc not matching) and a blank file: refused.
+    _write(g1, 10)
+    with open(g1, "r+b") as f:
+        f.seek(snapshot.BLOCK_SIZE - 60)
+        f.write(b"\xff\xff\xff\xff")
+    assert snapshot.read_header(g1) is None
+    snapshot.invalidate(g0)
+    assert snapshot.read_header(g0) is None and snapshot.read_header(str(tmp_path / "missing")) is None
+
+
+_WRITER = """
+import sys, torch
+from raytrain.ckpt import snapshot
+paths = sys.argv[1:3]
+step = 0
+while True:
+    step += 1
+    t = [torch.full((1 << 20,), float(step)) for _ in range(4)]
+    sk, _ = snapshot.dump_skeleton({"step": step, "t": t})
+    snapshot.write(paths[step % 2], {"step": step, "world": 1, "rank": 0}, sk, t)
+    if step == 3:
+        print("ready", flush=True)
+"""
+
+
+def test_kill_during_copy_never_yields_a_torn_generation(tmp_path):
+    """SIGKILL a process that keeps copying 16 MiB snapshots: every generation either loads whole (every tensor
+    holds its header's step) or is refused."""
+    paths = [str(tmp_path / "g0"), str(tmp_path / "g1")]
+    sk, t = snapshot.dump_skeleton({"step": 0, "t": [torch.zeros(1 << 20) for _ in range(4)]})
+    for p in paths:
+        with open(p, "ab") as f:
+            f.truncate(snapshot.size_needed(sk, t) + 64)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-c", _WRITER, *paths], stdout=subprocess.PIPE, env=env)
+    assert proc.stdout.readline().strip() == b"ready"
+    time.sleep(0.37)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    loaded = [s for s in (_load(p) for p in paths) if s is not None]
+    assert loaded, "both generations refused: the older one must survive a kill of the newer one's copy"
+    for s in loaded:
+        assert all(torch.equal(x, torch.full((1 << 20,), float(s.step))) for x in s.state["t"]), s.step
+    if len(loaded) == 2:
+        assert abs(loaded[0].step - loaded[1].step) == 1
+
+
+def test_ranks_agree_on_the_newest_common_step_not_below_a_committed_checkpoint():
+    def rec(steps, committed=None):
+        return {"steps": steps, "committed": committed}
+
+    assert agree_step([rec([5, 6]), rec([6, 7])]) == 6  # one rank killed during step 7's copy
+    assert agree_step([rec([5, 6]), rec([7, 8])]) is None  # no common step
+    assert agree_step([rec([5, 6], committed=8), rec([5, 6])]) is None  # storage is newer: storage path
+    assert agree_step([rec([7, 8], committed=8), rec([8, 7])]) == 8
+    assert agree_step([rec([]), rec([3])]) is None and agree_step([]) is None
+    # Step 6 of two timelines (a rollback skipped a data window in between): not one state, never agreed on.
+    a, b = rec([5, 6]), rec([5, 6])
+    a["samples"], b["samples"] = {"5": 40, "6": 48}, {"5": 40, "6": 72}
+    assert agree_step([a, b]) == 5
+
+
+def test_peer_copy_outlives_its_node_and_release_removes_everything(ray_cluster, tmp_path):
+    """Two node actors of one run (as on two nodes): a rank's generation copied to the partner is fetched from there
+    after the first actor (its node) is gone, intact; releasing the run leaves no actor and no file."""
+    import ray
+
+    from raytrain.ckpt.node_memory import NAMESPACE, NodeMemory, actor_name, file_prefix, release_run, run_actors
+
+    run = f"file://{tmp_path}/peer-run"
+    shm = str(tmp_path / "shm")
+    os.makedirs(shm)
+    actors = {n: ray.remote(NodeMemory).options(name=actor_name(run, n), namespace=NAMESPACE, max_concurrency=4).remote(
+        file_prefix(shm, run) + f"{n}-", 0, run_uri=run, name=actor_name(run, n)) for n in ("a", "b")}
+    skeleton, tensors = snapshot.dump_skeleton(_state(6))
+    path = ray.get(actors["a"].segment.remote(1, 0, snapshot.size_needed(skeleton, tensors)))
+    snapshot.write(path, {"step": 6, "world": 2, "rank": 1, "format": 1}, skeleton, tensors)
+    assert ray.get(actors["a"].replicate.remote(1, path)) == 6  # a's partner is b
+    ray.kill(actors["a"])  # the node is gone (its file stays: a leftover the release removes)
+    assert ray.get(actors["b"].fetch.remote(1, 3)) is None  # another world size's rank 1: not this one
+    data = ray.get(actors["b"].fetch.remote(1, 2))
+    h = snapshot.header_of(data)
+    assert h["step"] == 6 and snapshot.committed_bytes(path) == (6, data)
+    assert release_run(run, shm) >= 1 and not run_actors(run) and not os.listdir(shm)
