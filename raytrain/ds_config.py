@@ -52,6 +52,8 @@ def build_ds_config(cfg: Config, world_size: int, dtype: str, cuda: bool) -> dic
         "wall_clock_breakdown": False,
     }
     conf["optimizer"]["params"].update(optimizer_impl(cfg, cuda))
+    if ds.offload_optimizer == "cpu" and not cuda:
+        conf["zero_force_ds_cpu_optimizer"] = False  # torch's AdamW on offloaded state: see optimizer_impl
     if ds.tensor_parallel_size > 1:
         # AutoTP training (applied inside deepspeed.initialize). DeepSpeed checks train_batch_size against the
         # whole world in one place and against the data-parallel size in another (ZeRO-3), so it is left for
@@ -68,11 +70,15 @@ def build_ds_config(cfg: Config, world_size: int, dtype: str, cuda: bool) -> dic
 
 def optimizer_impl(cfg: Config, cuda: bool) -> dict[str, Any]:
     """Which AdamW kernel DeepSpeed builds, as optimizer params: {} means DeepSpeed's own choice."""
-    if cfg.deepspeed.offload_optimizer != "none":
-        return {}  # DeepSpeed's CPU Adam runs the offloaded step
+    if cfg.deepspeed.offload_optimizer == "nvme":
+        return {}  # DeepSpeed's optimizer swapper works with its own CPU Adam only
     if not cuda:
-        # On CPU the fused/compiled Adam variants need extra JIT builds and give nothing.
+        # On CPU the fused/compiled Adam variants, and DeepSpeed's CPU Adam for offloaded state, need JIT builds
+        # (CPU Adam: ~70 s of gcc on a 2-core machine at first use) and give nothing: every tensor is on the CPU
+        # already, and torch's AdamW steps it there.
         return {"torch_adam": True}
+    if cfg.deepspeed.offload_optimizer != "none":
+        return {}  # DeepSpeed's CPU Adam (SIMD, threaded) runs the offloaded step off the GPU
     if cfg.optim.fused == "torch":
         # One kernel launch for all parameters, built into torch (no JIT build, unlike DeepSpeed's FusedAdam).
         return {"torch_adam": True, "fused": True}

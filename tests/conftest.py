@@ -13,7 +13,13 @@ from pathlib import Path
 import pytest
 
 from raytrain.data.prepare import PrepareConfig, prepare
-from tests.helpers import start_moto, synthetic_docs, write_lm_eval_tasks
+from tests.helpers import start_mlflow_server_install, start_moto, synthetic_docs, write_lm_eval_tasks
+
+
+def pytest_collection_finish(session):
+    """The MLflow server's venv is made while the tests before the first that needs it run."""
+    if any("mlflow_server" in getattr(item, "fixturenames", ()) for item in session.items):
+        start_mlflow_server_install()
 
 
 @pytest.fixture(scope="session")

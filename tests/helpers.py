@@ -95,24 +95,41 @@ def ensure_prometheus() -> tuple[str, str]:
 MLFLOW_SERVER = "mlflow==3.17.2"  # full mlflow pins pyarrow<26; raytrain needs >=26, so its server lives apart
 
 
-def mlflow_server_exe() -> str:
-    """The `mlflow` command of a venv of its own under .venv/tools/ (made on first use, ~1-2 min, then reused):
-    a real tracking server for the tests, whose pins need not agree with raytrain's. Skips with the reason
-    when it cannot be installed."""
-    root = Path(__file__).resolve().parent.parent / ".venv" / "tools" / "mlflow"
-    exe = root / "bin" / "mlflow"
-    if exe.exists():
-        return str(exe)
-    try:
-        subprocess.run([sys.executable, "-m", "venv", str(root)], check=True, capture_output=True, timeout=120)
-        subprocess.run([str(root / "bin" / "python"), "-m", "pip", "install", "-q", MLFLOW_SERVER], check=True,
-                       capture_output=True, text=True, timeout=900)
-    except (subprocess.SubprocessError, OSError) as e:
-        shutil.rmtree(root, ignore_errors=True)
-        detail = (getattr(e, "stderr", None) or str(e)).strip().splitlines()[-1:]
-        pytest.skip(f"could not install an MLflow server ({MLFLOW_SERVER}) into {root}: {detail}")
-    return str(exe)
+_MLFLOW_ROOT = Path(__file__).resolve().parent.parent / ".venv" / "tools" / "mlflow"
+_mlflow_install: Optional[subprocess.Popen] = None
 
+
+def start_mlflow_server_install() -> None:
+    """Begin making the MLflow server's venv (below) in the background, so the ~1 min of pip overlaps the tests
+    that run before the first one needing it. Does nothing when it is made already."""
+    global _mlflow_install
+    if _mlflow_install is not None or (_MLFLOW_ROOT / ".ready").exists():
+        return
+    root = _MLFLOW_ROOT
+    # Complete only once .ready exists: a killed install is started again from scratch, never taken as made.
+    script = (f'rm -rf "{root}" && "{sys.executable}" -m venv "{root}" && '
+              f'"{root}/bin/python" -m pip install -q "{MLFLOW_SERVER}" && touch "{root}/.ready"')
+    _mlflow_install = subprocess.Popen(["sh", "-c", script], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                       text=True, start_new_session=True)
+
+
+def mlflow_server_exe() -> str:
+    """The `mlflow` command of a venv of its own under .venv/tools/ (made on first use or from the session's start,
+    ~1-2 min, then reused): a real tracking server for the tests, whose pins need not agree with raytrain's. Skips
+    with the reason when it cannot be installed."""
+    exe = _MLFLOW_ROOT / "bin" / "mlflow"
+    if not (_MLFLOW_ROOT / ".ready").exists():
+        start_mlflow_server_install()
+        try:
+            _, err = _mlflow_install.communicate(timeout=900)
+        except subprocess.TimeoutExpired:
+            _mlflow_install.kill()
+            err = "timed out after 900 s"
+        if not (_MLFLOW_ROOT / ".ready").exists():
+            shutil.rmtree(_MLFLOW_ROOT, ignore_errors=True)
+            detail = (err or "").strip().splitlines()[-1:]
+            pytest.skip(f"could not install an MLflow server ({MLFLOW_SERVER}) into {_MLFLOW_ROOT}: {detail}")
+    return str(exe)
 
 
 def write_lm_eval_tasks(d: Path) -> Path:

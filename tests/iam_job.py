@@ -99,12 +99,11 @@ def serve_paths(model: str) -> str:
 
     @ray.remote
     def replica(uri: str, version: str) -> str:
-        import asyncio
-
         from raytrain.serving.app import ModelServer
 
         server = ModelServer.func_or_class(uri, version)
-        out = asyncio.run(server({"text": "one two three", "max_new_tokens": 3}))
+        # The batch's body: @serve.batch itself wants a Serve replica context, which a plain task has not.
+        out = server._run([{"text": "one two three", "max_new_tokens": 3}])[0]
         assert out["status"] == 200 and out["version"] == version, out
         return f"{server.info()['params']} {out['completion_tokens']}"
 

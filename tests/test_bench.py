@@ -133,6 +133,11 @@ def test_gpu_only_optimisations_are_selected_only_with_cuda():
     assert adam(True, "optim.fused=none") == {"torch_adam": True, "foreach": True}
     assert adam(True, "optim.fused=deepspeed") == {}  # DeepSpeed's FusedAdam
     assert adam(True, "deepspeed.offload_optimizer=cpu") == {}  # DeepSpeed's CPU Adam runs offloaded steps
+    # On CPU, offloaded state is stepped by torch's AdamW: no ~70 s JIT build of DeepSpeed's CPU Adam.
+    assert adam(False, "deepspeed.zero_stage=2", "deepspeed.offload_optimizer=cpu") == {"torch_adam": True}
+    cfg = load_config("tiny", ["data.train=/nowhere", "deepspeed.zero_stage=2", "deepspeed.offload_optimizer=cpu"])
+    assert build_ds_config(cfg, 1, "fp32", False)["zero_force_ds_cpu_optimizer"] is False
+    assert "zero_force_ds_cpu_optimizer" not in build_ds_config(cfg, 1, "bf16", True)
     rows = np.arange(2 * 9, dtype=np.int64).reshape(2, 9)
     for pin in (True, False):
         x = _to_device(rows, torch.device("cpu"), pin)

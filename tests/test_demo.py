@@ -25,7 +25,12 @@ def test_demo_from_an_empty_home_creates_a_token_and_prints_a_short_clean_log(tm
            if not k.startswith(("RAY_", "PYTEST_")) and k not in ("VIRTUAL_ENV",)}
     # DeepSpeed's shm op was built into the real home's cache by set-up; rebuilding it here would only add
     # ~100 s of gcc, and has nothing to do with what this test checks (Ray's token, the output).
-    env["TORCH_EXTENSIONS_DIR"] = os.environ.get("TORCH_EXTENSIONS_DIR") or str(Path.home() / ".cache" / "torch_extensions")
+    # Set-up built it under torch's default root plus a per-build folder (py311_cpu, cu128, ...); naming that
+    # folder here, since TORCH_EXTENSIONS_DIR replaces both parts.
+    built = sorted((Path.home() / ".cache" / "torch_extensions").glob("*/deepspeed_shm_comm/*.so"))
+    ext_dir = os.environ.get("TORCH_EXTENSIONS_DIR") or (str(built[0].parent.parent) if built else None)
+    if ext_dir:
+        env["TORCH_EXTENSIONS_DIR"] = ext_dir
     env.update(HOME=str(home), RAYTRAIN_DEMO_DATA=str(tmp_path / "data"), RAYTRAIN_DEMO_RUNS=str(tmp_path / "runs"),
                # Ports of its own: the session cluster of other tests may be running.
                RAYTRAIN_DEMO_PORT="6395", RAYTRAIN_DEMO_DASHBOARD_PORT="8295")

@@ -62,15 +62,24 @@ def run(ray_cluster, tiny_data, tmp_path_factory):
     cfg = tiny_cfg(tiny_data, root, "served", "scaling.num_workers=1")  # one rank: the cheapest real checkpoints
     summary = train(cfg, log=lambda *_: None)
     catalog.tag(cfg.run_uri, STABLE, step=5)
-    # Chat examples (the user counts from a word, the assistant goes on), rendered with raytrain's default
-    # template, the one serving renders chat requests with; LoRA on 1 rank, 10 steps.
-    chats = [{"messages": [{"role": "user", "content": f"count on from {WORDS[i % 7]}"},
+    # The canary fine-tunes the stable model as a user would: its export, its tokenizer (so both versions read a
+    # text as the same tokens, within the same context), on chat examples (the user counts from a word, the
+    # assistant goes on) rendered with raytrain's default template, the one serving renders chat requests with.
+    # LoRA on 1 rank, 10 steps.
+    from raytrain.export import export
+
+    base = root / "base"
+    export(catalog.latest_complete(cfg.run_uri).uri, str(base), log=lambda *_: None)
+    # Each record distinct (prepare drops exact duplicates, and val needs some) and short: the base's 300-token
+    # vocabulary spends ~24 of its 32 positions on one.
+    chats = [{"messages": [{"role": "user", "content": f"{WORDS[i % 7]} {i}"},
                            {"role": "assistant", "content": " ".join(WORDS[i % 7 + 1:i % 7 + 4])}]} for i in range(300)]
     (root / "chats.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats))
-    prepare(PrepareConfig(inputs=[str(root / "chats.jsonl")], out=str(root / "chat"), format="chat", vocab_size=300,
-                          seq_len=32, val_fraction=0.1, near_dup_threshold=1.0, engine="local"), log=lambda *_: None)
-    ft = tiny_cfg(root / "chat", root, "fine-tuned", "scaling.num_workers=1", "model.lora.r=4",
-                  "model.lora.target_modules=[c_attn,c_fc]", "optim.lr=3e-2")
+    prepare(PrepareConfig(inputs=[str(root / "chats.jsonl")], out=str(root / "chat"), format="chat",
+                          tokenizer=str(base), seq_len=32, val_fraction=0.1, near_dup_threshold=1.0, engine="local"),
+            log=lambda *_: None)
+    ft = tiny_cfg(root / "chat", root, "fine-tuned", "scaling.num_workers=1", f"model.init_from={base}",
+                  "model.lora.r=4", "model.lora.target_modules=[c_attn,c_fc]", "optim.lr=3e-2")
     return cfg.run_uri, summary, ft.run_uri, train(ft, log=lambda *_: None)
 
 
@@ -251,7 +260,7 @@ def test_check_url_passes_with_consistent_logprobs(server, tmp_path, capsys):
     rc = main(["check", "--url", server["url"], "--requests", "40", "--concurrency", "4", "--samples", "4",
                "--max-p99-ms", "1e9", "--report-dir", str(tmp_path), "--json"])
     out = json.loads(capsys.readouterr().out)
-    assert rc == 0, out["checks"]
+    assert rc == 0, [c for c in out["checks"] if not c["ok"]]
     checks = {c["name"]: c for c in out["checks"]}
     assert checks["consistency"]["ok"] and out["consistency_max_abs_diff"] <= 1e-4
     assert all(checks[c]["ok"] for c in ("echo", "stream", "chat")) and "as one list" in checks["consistency"]["detail"]
@@ -467,7 +476,7 @@ def test_the_lora_fine_tune_answers_chat_as_its_merged_export_does(server, clien
     src = Path({m["id"]: m for m in models["data"]}[CANARY]["source"])
     assert (src / "config.json").is_file() and not (src / "adapter_config.json").exists()  # merged
     assert server["ft_summary"]["trainable_params"] < server["ft_summary"]["params"] / 4  # only the adapter trained
-    messages = [{"role": "user", "content": "count on from three"}]
+    messages = [{"role": "user", "content": "three"}]
     chat = client.chat.completions.create(model=CANARY, messages=messages, max_completion_tokens=6, temperature=0)
     msg = chat.choices[0].message
     assert chat.model == CANARY and msg.role == "assistant" and isinstance(msg.content, str)

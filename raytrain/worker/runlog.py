@@ -92,7 +92,10 @@ class RunLog:
         if not enabled:
             return
         self._local = os.path.join(tempfile.mkdtemp(prefix="raytrain-log-"), METRICS)
-        self.history = [r for r in RunDir(run_uri).read_jsonl(METRICS) if r.get("step", 0) <= resumed_step]
+        # What the resumed step's checkpoint already covers; from step 0 that is nothing (the validation at step 0
+        # runs again, and must not be in the file twice).
+        self.history = [r for r in RunDir(run_uri).read_jsonl(METRICS)
+                        if r.get("step", 0) < resumed_step or 0 < r.get("step", 0) == resumed_step]
         with open(self._local, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in self.history)
         self.sync()
