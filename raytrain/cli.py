@@ -30,10 +30,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from raytrain.quiet import quiet_deepspeed, quiet_warnings
+    from raytrain.quiet import quiet_deepspeed, quiet_progress_bars, quiet_warnings
 
     args = build_parser().parse_args(argv)
     quiet_warnings()
+    quiet_progress_bars()
     try:
         if args.cmd in IMPORTS_DEEPSPEED:
             quiet_deepspeed()

@@ -57,8 +57,10 @@ def consolidated_state_dict(ckpt_uri: str, zero_stage: int, tensor_parallel: int
             states = torch.load(os.path.join(d, ENGINE_TAG, "mp_rank_00_model_states.pt"), map_location="cpu",
                                 weights_only=False)
             return {k: v.float() for k, v in states["module"].items()}
+        from deepspeed.utils import zero_to_fp32
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
+        zero_to_fp32.tqdm = lambda it, **_: it  # its "Loading checkpoint shards" bar, to stderr on every export
         with contextlib.redirect_stdout(io.StringIO()):  # it prints every tensor it merges
             return get_fp32_state_dict_from_zero_checkpoint(d, tag=ENGINE_TAG)
 

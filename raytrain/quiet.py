@@ -12,6 +12,7 @@ import contextlib
 import io
 import logging
 import os
+import sys
 import warnings
 
 
@@ -21,20 +22,40 @@ def quiet_warnings() -> None:
         warnings.filterwarnings("ignore", category=category)
 
 
-def quiet_deepspeed() -> None:
-    """Call before deepspeed is first imported. With no CUDA, name the CPU accelerator ourselves, so DeepSpeed
-    does not warn that it fell back to it ("Setting accelerator to CPU ...")."""
-    if "DS_ACCELERATOR" in os.environ:
-        return
-    import torch
+def quiet_progress_bars() -> None:
+    """Call before transformers / huggingface_hub are imported. Their per-load bars ("Loading weights", "Writing
+    model shards") repeat on every export, serve replica and worker start; our own line says what was loaded."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers reads hub's switch at import
+    if "transformers" in sys.modules:  # imported already (a reused Ray worker process)
+        sys.modules["transformers"].utils.logging.disable_progress_bar()
 
-    if not torch.cuda.is_available():
-        os.environ["DS_ACCELERATOR"] = "cpu"
+
+def quiet_deepspeed() -> None:
+    """Call before deepspeed is first imported (it imports it). With no CUDA, name the CPU accelerator ourselves,
+    so DeepSpeed does not warn that it fell back to it ("Setting accelerator to CPU ..."). And keep its import
+    from importing mlflow: its autotuner (never used here) does when mlflow is installed, 1.6-2 s of every
+    worker's start-up on these machines (docs/BENCHMARKS.md); our MLflow tracker imports it where it is used."""
+    if "deepspeed" in sys.modules:
+        return
+    if "DS_ACCELERATOR" not in os.environ:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ["DS_ACCELERATOR"] = "cpu"
+    blocked = "mlflow" not in sys.modules
+    if blocked:
+        sys.modules["mlflow"] = None  # an ImportError for that one import; its try/except turns the feature off
+    try:
+        import deepspeed  # noqa: F401
+    finally:
+        if blocked:
+            del sys.modules["mlflow"]
 
 
 def quiet_worker() -> None:
     """Start of a Ray Train worker: our progress lines stay, the rest goes to Ray's log files only."""
     quiet_warnings()
+    quiet_progress_bars()
     quiet_deepspeed()
     # Ray Train configures the worker's root logger at INFO with a console handler; library INFO lines
     # (Ray Data, DeepSpeed's engine set-up) would reach the job's output through it.

@@ -19,6 +19,8 @@ GCS_PORT="${RAYTRAIN_DEMO_PORT:-6390}"
 DASH_PORT="${RAYTRAIN_DEMO_DASHBOARD_PORT:-8290}"
 NUM_CPUS="${RAYTRAIN_DEMO_CPUS:-4}"
 TAG=finetune
+# shellcheck source=scripts/_ray_local.sh
+source "$ROOT/scripts/_ray_local.sh"
 
 BASE="${RAYTRAIN_FT_BASE:-$MODELS/v1}"
 if [ ! -f "$BASE/config.json" ]; then

@@ -1,5 +1,6 @@
 """The README's first command as a new user meets it: `./scripts/demo.sh` from an empty home directory, with no
-Ray token anywhere, completes; what it prints after set-up is short and free of library noise."""
+Ray token anywhere, completes; what it prints after set-up is short and free of library noise. Then the
+fine-tuning recipe (`./scripts/finetune.sh`) on the demo's model."""
 
 from __future__ import annotations
 
@@ -18,7 +19,10 @@ ROOT = Path(__file__).resolve().parent.parent
 STEPS = 100
 
 
-def test_demo_from_an_empty_home_creates_a_token_and_prints_a_short_clean_log(tmp_path):
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    """./scripts/demo.sh run once from an empty home: (its folder, its environment, the finished process)."""
+    tmp_path = tmp_path_factory.mktemp("demo")
     home = tmp_path / "home"
     home.mkdir()
     env = {k: v for k, v in os.environ.items()
@@ -38,8 +42,14 @@ def test_demo_from_an_empty_home_creates_a_token_and_prints_a_short_clean_log(tm
     # of the suite's budget; validation perplexity halves well within 100 steps (2085 -> 405 at step 100).
     out = subprocess.run([str(ROOT / "scripts" / "demo.sh"), f"run.max_steps={STEPS}"], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=900)
+    (tmp_path / "demo.log").write_text(out.stdout + out.stderr)  # what a person saw, kept for a failure's reader
+    return tmp_path, env, out
+
+
+def test_demo_from_an_empty_home_creates_a_token_and_prints_a_short_clean_log(demo):
+    tmp_path, _, out = demo
+    home = tmp_path / "home"
     text = out.stdout + out.stderr
-    (tmp_path / "demo.log").write_text(text)  # what a person saw, kept for a failure's reader
     assert out.returncode == 0, text[-4000:]
 
     # The token was created where Ray looks for it, private to the user, and the script said where.
@@ -72,3 +82,27 @@ def test_demo_from_an_empty_home_creates_a_token_and_prints_a_short_clean_log(tm
     assert 4 <= len(progress) <= 12, "\n".join(shown)  # every 25 steps (the recipe logs every 25)
     assert any(f"ckpt checkpoint_{STEPS:08d}" in line for line in progress), "\n".join(progress)
     assert not out.stderr.strip(), out.stderr[-2000:]
+
+
+def test_the_finetune_recipe_lowers_held_out_loss_and_leaves_a_merged_model(demo):
+    # README's second recipe, after the demo as a user runs it: the demo's export as the base, the instruction set
+    # from the standard library, a LoRA fine-tune as a `ray job submit` job, the merged export. Fewer steps than
+    # the recipe's 60 (an override, as the README shows).
+    tmp_path, env, demo_out = demo
+    assert demo_out.returncode == 0, "the demo failed; see test_demo_from_an_empty_home..."
+    env = {**env, "RAYTRAIN_FT_DATA": str(tmp_path / "data"), "RAYTRAIN_FT_MODELS": str(tmp_path / "models")}
+    out = subprocess.run([str(ROOT / "scripts" / "finetune.sh"), "run.max_steps=20", "run.eval_every=10",
+                          "checkpoint.every_n_steps=10"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=900)
+    text = out.stdout + out.stderr
+    (tmp_path / "finetune.log").write_text(text)
+    assert out.returncode == 0, text[-4000:]
+    assert "[setup] installing" not in text  # the test install holds the lora extra
+    m = re.search(r"held-out instruction loss .*: ([0-9.]+) -> ([0-9.]+)", out.stdout)
+    assert m and float(m.group(2)) < float(m.group(1)) - 0.1, text[-3000:]
+    assert "trainable parameters (the adapter's)" in out.stdout
+    merged = [d for d in (tmp_path / "models").iterdir() if d.name.startswith("sft-")]
+    assert len(merged) == 1 and (merged[0] / "config.json").is_file()
+    assert not (merged[0] / "adapter_config.json").exists()  # the adapter merged in: a plain model directory
+    # No library progress bars or tracebacks between our lines.
+    assert not re.search(r"it/s\]|Traceback", text), text[-3000:]

@@ -105,3 +105,13 @@ def test_readme_layout_table_matches_the_tree():
             or (p.is_dir() and (p / "__init__.py").exists())]
     missing = [str(p.relative_to(ROOT)) for p in mine if p.resolve() not in named]
     assert not missing, f"README Layout does not mention {missing}"
+
+
+def test_the_test_extra_holds_every_other_extra():
+    # scripts/_env.sh takes a current test install for any extra's (finetune.sh asks for lora).
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    test = set(extras["test"])
+    missing = {name: sorted(set(reqs) - test) for name, reqs in extras.items() if set(reqs) - test}
+    assert not missing, f"add these to the test extra in pyproject.toml: {missing}"

@@ -46,6 +46,10 @@ class ModelServer:
                  chat_template: str = "default"):
         import ray
         import torch
+
+        from raytrain.quiet import quiet_progress_bars
+
+        quiet_progress_bars()  # before transformers' import: a bar per replica start in the serve console
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from raytrain.export import EXPORT_META
