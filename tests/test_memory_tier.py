@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from raytrain.ckpt import snapshot
-from raytrain.ckpt.restore import agree_step
+from raytrain.ckpt.restore import agree_memory
 
 
 def _state(step: int, n: int = 1000) -> dict:
@@ -114,19 +114,35 @@ def test_kill_during_copy_never_yields_a_torn_generation(tmp_path):
         assert abs(loaded[0].step - loaded[1].step) == 1
 
 
-def test_ranks_agree_on_the_newest_common_step_not_below_a_committed_checkpoint():
-    def rec(steps, committed=None):
-        return {"steps": steps, "committed": committed}
+def test_ranks_agree_on_the_newest_step_any_node_holds_for_every_rank_not_below_a_committed_checkpoint():
+    def node(actor, *held):  # held: (rank, step, samples, committed)
+        return {"actor": actor, "held": [[r, s, p, c, f"/shm/{actor}-r{r}-s{s}"] for r, s, p, c in held]}
 
-    assert agree_step([rec([5, 6]), rec([6, 7])]) == 6  # one rank killed during step 7's copy
-    assert agree_step([rec([5, 6]), rec([7, 8])]) is None  # no common step
-    assert agree_step([rec([5, 6], committed=8), rec([5, 6])]) is None  # storage is newer: storage path
-    assert agree_step([rec([7, 8], committed=8), rec([8, 7])]) == 8
-    assert agree_step([rec([]), rec([3])]) is None and agree_step([]) is None
+    def rec(rank, n):
+        return {"rank": rank, **n}
+
+    a, b = node("A", (0, 5, 40, 4), (0, 6, 48, 4)), node("B", (1, 6, 48, None), (1, 7, 56, None))
+    assert agree_memory([rec(0, a), rec(1, b)], 2) == (6, {0: [("A", "/shm/A-r0-s6")], 1: [("B", "/shm/B-r1-s6")]})
+    # No common step; storage newer than every common step (the storage path).
+    assert agree_memory([rec(0, node("A", (0, 5, 40, 4))), rec(1, node("B", (1, 7, 56, None)))], 2) is None
+    assert agree_memory([rec(0, node("A", (0, 6, 48, 8))), rec(1, node("B", (1, 6, 48, None)))], 2) is None
+    assert agree_memory([rec(0, node("A")), rec(1, node("B", (1, 3, 24, None)))], 2) is None
+    # The ranks swapped nodes on the restart: each node still holds the other rank's newer generations (and its
+    # own older ones, from the attempt before); the newest is taken from wherever it is, and the floor comes from
+    # the newest snapshot that knew one (8), not the stale one (4).
+    a = node("A", (0, 5, 40, 4), (0, 6, 48, 4), (1, 8, 64, None), (1, 9, 72, None))
+    b = node("B", (1, 5, 40, None), (1, 6, 48, None), (0, 8, 64, 8), (0, 9, 72, 8))
+    step, holders = agree_memory([rec(0, b), rec(1, a)], 2)
+    assert step == 9 and holders == {0: [("B", "/shm/B-r0-s9")], 1: [("A", "/shm/A-r1-s9")]}
+    # Ranks on one node send the same holdings: counted once. A peer copy on another node serves a lost one.
+    a = node("A", (0, 9, 72, 8), (1, 9, 72, None), (2, 8, 64, None))
+    assert agree_memory([rec(0, a), rec(1, a), rec(2, node("C"))], 3) is None  # ranks 0, 1 at 9; rank 2 at 8
+    a["held"].append([2, 9, 72, None, "/shm/A-peer-r2"])
+    assert agree_memory([rec(0, a), rec(1, a), rec(2, node("C"))], 3) == (
+        9, {0: [("A", "/shm/A-r0-s9")], 1: [("A", "/shm/A-r1-s9")], 2: [("A", "/shm/A-peer-r2")]})
     # Step 6 of two timelines (a rollback skipped a data window in between): not one state, never agreed on.
-    a, b = rec([5, 6]), rec([5, 6])
-    a["samples"], b["samples"] = {"5": 40, "6": 48}, {"5": 40, "6": 72}
-    assert agree_step([a, b]) == 5
+    a, b = node("A", (0, 5, 40, 4), (0, 6, 48, 4)), node("B", (1, 5, 40, None), (1, 6, 72, None))
+    assert agree_memory([rec(0, a), rec(1, b)], 2)[0] == 5
 
 
 def test_peer_copy_outlives_its_node_and_release_removes_everything(ray_cluster, tmp_path):

@@ -183,7 +183,8 @@ def test_zero3_killed_worker_resumes_from_host_memory_with_identical_losses(ray_
     assert sorted(got) == list(range(1, 9)) and got == want  # exactly: the same fp32 arithmetic
     assert _crcs(cfg.run_uri) == _crcs(ref.run_uri)
     stalls = [r["snapshot_stall_s"] for r in _metrics(cfg.run_uri) if "snapshot_stall_s" in r]
-    assert len(stalls) >= 7 and all(0 < s < 5 for s in stalls), stalls  # the stall per snapshot, every step
+    # The stall of the snapshot before each record, every step but an attempt's first (none before it yet).
+    assert len(stalls) >= 6 and all(0 < s < 5 for s in stalls), stalls
     assert not any("snapshot_stall_s" in r for r in _metrics(ref.run_uri))
     _assert_memory_released(cfg)
 

@@ -15,6 +15,7 @@ rebuilt from fp32 on restore, never copied), times two generations.
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import asdict
 from typing import Optional
@@ -39,9 +40,11 @@ def engine_kind(engine) -> Optional[str]:
     return None
 
 
-def capture(engine, state: TrainState, kind: str, committed: Optional[int]) -> dict:
-    """This rank's resumable state (references to the live tensors: copy before the next step)."""
+def capture(engine, state: TrainState, kind: str, committed: Optional[int], log_tail: list) -> dict:
+    """This rank's resumable state (references to the live tensors: copy before the next step); `log_tail`: rank
+    0's metrics records not yet in storage."""
     sd = {"format": FORMAT, "kind": kind, "train_state": asdict(state), "rng": rng_state(), "committed": committed,
+          "log_tail": log_tail,
           "engine": {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
                      "skipped_steps": engine.skipped_steps},
           "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None}
@@ -98,90 +101,62 @@ class MemoryTier:
         self._sizes: dict[int, int] = {}  # bytes of each generation's file this rank has asked for
         self.actor = None  # this node's NodeMemory: looked up at start-up, created (not waited for) when missing
         self._said = False
-        self.source = "memory:local"  # where candidates() found this rank's snapshots
-        self.samples: dict[int, int] = {}  # step -> data position of the candidates found
 
-    def candidates(self) -> dict[int, int]:
-        """{step: generation} of this rank's generations on this node that are complete and intact (every buffer's
-        crc checked) and were written by a world of this size."""
+    def holdings(self) -> dict:
+        """What this node's actor holds of the run for this world size, every rank's (headers only): this rank's
+        record for the restore's agreement ({"actor": name, "held": [[rank, step, samples, committed, path]]})."""
         if not self.enabled:
-            return {}
+            return {"actor": None, "held": []}
         import ray
 
+        name = actor_name(self.run_uri, ray.get_runtime_context().get_node_id())
         try:
-            node = ray.get_runtime_context().get_node_id()
-            self.actor = ray.get_actor(actor_name(self.run_uri, node), namespace=NAMESPACE)
+            self.actor = ray.get_actor(name, namespace=NAMESPACE)
         except ValueError:  # none on this node yet (a fresh start, or a new node): it starts while we build
             self.actor = node_actor(self.run_uri, self.c)
-            return self._from_peers() if run_actors(self.run_uri) else {}
-        out = self._local()
-        return out or self._from_peers()
+            return {"actor": name, "held": []}
+        return {"actor": name, "held": ray.get(self.actor.holdings.remote(self.world, FORMAT))}
 
-    def _local(self) -> dict[int, int]:
+    def load(self, step: int, holders: list[tuple[str, str]], mine: str) -> dict:
+        """This rank's state at `step` from `holders` ([(actor, path)]): from this node's file when this node
+        (`mine`) holds it, else fetched from another node's actor into this node's generation 0. Copied out and
+        checked again; a failure invalidates it and says what happens next."""
         import ray
 
-        out: dict[int, int] = {}
-        for path in ray.get(self.actor.paths.remote(self.rank)):
-            gen = int(path.rsplit("-g", 1)[1])
-            h = snapshot.read_header(path)
-            if (h and h.get("format") == FORMAT and h.get("rank") == self.rank and h.get("world") == self.world
-                    and snapshot.verify(path, h)):
-                out[int(h["step"])] = gen
-                self._paths[gen] = path
-                self.samples[int(h["step"])] = h.get("samples")
-        return out
-
-    def _from_peers(self) -> dict[int, int]:
-        """This rank's newest generation held by another node's actor (the peer copy of a lost node, or the files
-        of a node the rank ran on before), copied into this node's generation 0; {} when none has one."""
-        import ray
-
-        refs = []
-        for name in run_actors(self.run_uri):  # this node's too: it may hold the peer copy of this rank
-            try:
-                refs.append(ray.get_actor(name, namespace=NAMESPACE).fetch.remote(self.rank, self.world))
-            except ValueError:  # gone with its node since the listing
-                continue
-        best: Optional[tuple[dict, bytes]] = None
-        for ref in refs:
-            try:
-                data = ray.get(ref, timeout=self.c.memory_fetch_timeout_s)
-            except Exception:  # noqa: BLE001 - an actor on a node being lost: the others may still have it
-                continue
-            h = snapshot.header_of(data) if data else None
-            if h and h.get("format") == FORMAT and (best is None or h["step"] > best[0]["step"]):
-                best = (h, data)
-        path = self._path(0, len(best[1])) if best else None
-        if path is None:
-            return {}
-        snapshot.place(path, best[1])
+        local = next((path for actor, path in holders if actor == mine), None)
+        if local is not None:
+            own = re.search(r"-r\d+-g([01])$", local)  # one of this rank's generations (else a peer copy held here)
+            gen = int(own.group(1)) if own else None
+            path = local
+        else:
+            data = None
+            for actor, _ in holders:
+                try:
+                    data = ray.get(ray.get_actor(actor, namespace=NAMESPACE).fetch.remote(self.rank, self.world, step),
+                                   timeout=self.c.memory_fetch_timeout_s)
+                except Exception:  # noqa: BLE001 - an actor on a node being lost: another holder may answer
+                    data = None
+                if data:
+                    break
+            path = self._path(0, len(data)) if data else None
+            if path is None:
+                raise RuntimeError(f"rank {self.rank}: no node sent its memory snapshot of step {step}; the next "
+                                   "restart restores from another snapshot or from storage")
+            snapshot.place(path, data)
+            gen = 0
         h = snapshot.read_header(path)
-        if not (h and snapshot.verify(path, h)):
-            return {}
-        self._paths[0], self.source = path, "memory:peer"
-        self.samples[int(h["step"])] = h.get("samples")
-        return {int(h["step"]): 0}
-
-    def committed_floor(self, candidates: dict[int, int]) -> Optional[int]:
-        """The newest storage checkpoint this rank's newest snapshot knew to be committed (rank 0 records it)."""
-        if not candidates:
-            return None
-        h = snapshot.read_header(self._paths[candidates[max(candidates)]])
-        return (h or {}).get("committed")
-
-    def load(self, gen: int) -> dict:
-        """The state in generation `gen`, copied out and checked again; a failure invalidates it and says what to do."""
-        path = self._paths[gen]
-        h = snapshot.read_header(path)
-        snap = snapshot.load(path, h) if h else None
+        snap = snapshot.load(path, h) if h and h.get("step") == step and h.get("rank") == self.rank else None
         if snap is None:
             snapshot.invalidate(path)
             raise RuntimeError(f"rank {self.rank}: the memory snapshot in {path} changed or broke while it was read; "
                                "the next restart restores from the other generation or from storage")
-        self._gen = 1 - gen
+        if gen is not None:
+            self._paths[gen] = path
+        self._gen = 0 if gen is None else 1 - gen  # the next snapshot keeps this one
         return snap.state
 
-    def snapshot(self, engine, state: TrainState, *, committed: Optional[int] = None, force: bool = False) -> None:
+    def snapshot(self, engine, state: TrainState, *, committed: Optional[int] = None, force: bool = False,
+                 log_tail: tuple = ()) -> None:
         """Copy this rank's state into the older generation when due (every memory_every_n_steps, and at every
         storage checkpoint, before it is saved: memory is then never older than a committed checkpoint)."""
         if not self.enabled or not (force or state.step % self.c.memory_every_n_steps == 0):
@@ -190,7 +165,7 @@ class MemoryTier:
         kind = engine_kind(engine)
         if kind is None:
             return self._off(f"optimizer {type(engine.optimizer).__name__} is not one the memory tier captures")
-        skeleton, tensors = snapshot.dump_skeleton(capture(engine, state, kind, committed))
+        skeleton, tensors = snapshot.dump_skeleton(capture(engine, state, kind, committed, list(log_tail)))
         path = self._path(self._gen, snapshot.size_needed(skeleton, tensors))
         if path is None:
             return
@@ -205,13 +180,25 @@ class MemoryTier:
             # Not waited for: the actor drops it while this rank's previous copy is still on its way.
             self.actor.replicate.remote(self.rank, path)
 
-    def invalidate(self) -> None:
-        """This rank's snapshots end their timeline (a rollback, or a start that did not restore from them)."""
+    def invalidate(self, *, everywhere: bool = False) -> None:
+        """This rank's snapshots end their timeline (a rollback, or a start that did not restore from them);
+        everywhere (a rollback, rank 0): every file of the run on every node too, the generations ranks left on
+        nodes they no longer run on and the peer copies, which the agreement would otherwise still offer."""
         if not self.enabled:
             return
         for path in self._paths.values():
             snapshot.invalidate(path)
         self._gen = 0
+        if everywhere and self.rank == 0:
+            import ray
+
+            refs = []
+            for name in run_actors(self.run_uri):
+                try:
+                    refs.append(ray.get_actor(name, namespace=NAMESPACE).invalidate_all.remote())
+                except ValueError:  # gone with its node
+                    pass
+            ray.wait(refs, num_returns=len(refs), timeout=self.c.memory_fetch_timeout_s)
 
     def record(self) -> dict:
         """The last snapshot's stall, for metrics.jsonl."""

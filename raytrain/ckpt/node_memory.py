@@ -134,16 +134,37 @@ class NodeMemory:
         os.replace(path + ".tmp", path)
         return True
 
-    def fetch(self, rank: int, world: int) -> Optional[bytes]:
-        """The newest intact generation of rank (world size `world`) held here, its own or a peer copy: what a
-        restore on another node reads when its own node has none."""
+    def holdings(self, world: int, fmt: int) -> list[list]:
+        """[rank, step, samples, committed, path] of every generation and peer copy held here that a world of this
+        size wrote (headers only: cheap); what the restore's agreement gathers from every node."""
+        out = []
+        with self._lock:
+            paths = sorted(self.files)
+        for path in paths:
+            h = snapshot.read_header(path)
+            if h and h.get("format") == fmt and h.get("world") == world:
+                out.append([int(h["rank"]), int(h["step"]), h.get("samples"), h.get("committed"), path])
+        return out
+
+    def fetch(self, rank: int, world: int, step: Optional[int] = None) -> Optional[bytes]:
+        """Rank's intact generation (world size `world`) held here, its own or a peer copy, at `step` (None: the
+        newest): what a restore on another node reads when its own node does not hold it."""
         best: Optional[tuple[int, bytes]] = None
         for path in [*self.paths(rank), f"{self.prefix}peer-r{rank}"]:
             got = snapshot.committed_bytes(path)
             h = snapshot.header_of(got[1]) if got else None
-            if h and h.get("rank") == rank and h.get("world") == world and (best is None or got[0] > best[0]):
+            if (h and h.get("rank") == rank and h.get("world") == world and step in (None, got[0])
+                    and (best is None or got[0] > best[0])):
                 best = got
         return best[1] if best else None
+
+    def invalidate_all(self) -> int:
+        """Every generation and peer copy held here ends its timeline (a rollback); returns how many."""
+        with self._lock:
+            paths = sorted(self.files)
+        for path in paths:
+            snapshot.invalidate(path)
+        return len(paths)
 
     def shutdown(self) -> int:
         """Remove every file this actor owns (the run is over); returns how many."""

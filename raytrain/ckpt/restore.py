@@ -30,48 +30,69 @@ class MemoryPoint:
 
 
 def find_memory_point(memory, rank: int, run_uri: str) -> Optional[MemoryPoint]:
-    """The newest step whose snapshot every rank holds intact in its own node's memory and that is not older than
-    the newest committed storage checkpoint any rank's snapshot knew of; None (storage path) otherwise.
+    """The newest step whose snapshot of every rank some node of the run holds (the rank's own node first, else a
+    peer copy or a node it ran on before), at one data position, and not older than the newest committed storage
+    checkpoint any snapshot knew of; None (storage path) otherwise.
 
     One all-gather of small records when the tier is on (every rank has the same config, so all or none call
-    it). Each rank keeps two generations: ranks killed one step apart still share the older one.
+    it): each rank sends what its node's actor holds, headers only. Each rank keeps two generations: ranks killed
+    one step apart still share the older one. Only a rank whose node lacks its snapshot moves bytes (one fetch).
     """
     from raytrain.worker.runlog import say
 
     if not memory.enabled:
         return None
     t0 = time.perf_counter()
-    mine = memory.candidates()
-    rec = {"rank": rank, "node": node_id(), "steps": sorted(mine), "committed": memory.committed_floor(mine),
-           "source": memory.source, "samples": {str(k): v for k, v in memory.samples.items() if k in mine}}
-    recs = _all_gather(rec, _world())
-    step = agree_step(recs)
-    if step is None:
-        if rank == 0 and any(r["steps"] for r in recs):
-            say("memory snapshots do not cover every rank at one step "
-                + "; ".join(f"rank {r['rank']}: {r['steps'] or 'none'}" for r in recs) + "; restoring from storage")
+    world = _world()
+    recs = _all_gather({"rank": rank, "node": node_id(), **memory.holdings()}, world)
+    agreed = agree_memory(recs, world)
+    if agreed is None:
+        if rank == 0 and any(r["held"] for r in recs):
+            have = {}
+            for r in {r["actor"]: r for r in recs}.values():
+                for held_rank, step, *_ in r["held"]:
+                    have.setdefault(held_rank, set()).add(step)
+            say("memory snapshots do not cover every rank at one step ("
+                + "; ".join(f"rank {k}: {sorted(have.get(k, ())) or 'none'}" for k in range(world))
+                + "); restoring from storage")
         memory.invalidate()  # a new timeline starts from storage: older snapshots must never be taken for it
         return None
-    peer = any(r["source"] == "memory:peer" for r in recs)
-    point = MemoryPoint(step, memory.load(mine[step]), "memory:peer" if peer else "memory:local")
+    step, holders = agreed
+    actor_of = {r["rank"]: r["actor"] for r in recs}
+    fetched = [k for k in range(world) if actor_of[k] not in {a for a, _ in holders[k]}]
+    point = MemoryPoint(step, memory.load(step, holders[rank], actor_of[rank]),
+                        "memory:peer" if fetched else "memory:local")
     if rank == 0:
         say(f"restore step {step} from host memory ({point.source}) in {time.perf_counter() - t0:.2f} s")
         RunDir(run_uri).append_jsonl(RESTORES, {
             "source": point.source, "step": step, "checkpoint": None, "ok": True, "time": round(time.time(), 3),
-            "s": round(time.perf_counter() - t0, 3), "ranks": recs})
+            "s": round(time.perf_counter() - t0, 3), "fetched_ranks": fetched,
+            "ranks": [{"rank": r["rank"], "node": r["node"]} for r in recs]})
     return point
 
 
-def agree_step(recs: list[dict]) -> Optional[int]:
-    """The newest step in every rank's `steps` at one data position (`samples`, where given: snapshots of a
-    timeline a rollback left differ there), not below any rank's `committed` (None when there is none)."""
-    if not recs:
-        return None
-    common = set(recs[0]["steps"]).intersection(*(r["steps"] for r in recs[1:]))
-    common = {s for s in common if len({(r.get("samples") or {}).get(str(s)) for r in recs}) == 1}
-    floor = max((r["committed"] for r in recs if r.get("committed") is not None), default=None)
-    ok = [s for s in common if floor is None or s >= floor]
-    return max(ok) if ok else None
+def agree_memory(recs: list[dict], world: int) -> Optional[tuple[int, dict[int, list[tuple[str, str]]]]]:
+    """(step, {rank: [(actor, path), ...] holding it}) for the newest step every rank's snapshot is held at, by
+    some node, at one data position (`samples`: a rollback's timelines differ there), not below the newest
+    committed checkpoint rank 0's snapshots knew of; None when there is none. `recs`: one per rank, {"actor",
+    "held": [[rank, step, samples, committed, path], ...]} (ranks on one node send the same holdings)."""
+    by: dict[tuple[int, int], dict] = {}  # (rank, step) -> {samples: [(actor, path)]}
+    floor = None
+    for r in {r["actor"]: r for r in recs if r.get("actor")}.values():
+        for held_rank, step, samples, committed, path in r["held"]:
+            by.setdefault((held_rank, step), {}).setdefault(samples, []).append((r["actor"], path))
+            if held_rank == 0 and committed is not None:
+                floor = committed if floor is None else max(floor, committed)
+    for step in sorted({s for _, s in by}, reverse=True):
+        if floor is not None and step < floor:
+            break
+        common = set(by.get((0, step), {}))
+        for k in range(1, world):
+            common &= set(by.get((k, step), {}))
+        if common:
+            samples = sorted(common, key=str)[0]
+            return step, {k: by[(k, step)][samples] for k in range(world)}
+    return None
 
 
 @dataclass

@@ -95,7 +95,7 @@ class WorkerRun:
         self.evaluate = evaluator_for(cfg.data, split=val_split, sources=loop_config.get("val_sources"),
                                       micro_batch=cfg.batch.micro_batch_size, rank=dp_rank, world=self.dp_size,
                                       device=device)
-        self.log = RunLog(cfg.run_uri, cfg.run.max_steps, self.state.step, enabled=rank == 0,
+        self.log = RunLog(cfg.run_uri, cfg.run.max_steps, self.state.step, enabled=rank == 0, tail=self.log_tail,
                           progress_every=progress_every(cfg.run.progress_every, cfg.run.log_every, cfg.run.max_steps),
                           trackers=Trackers(cfg, enabled=rank == 0, restarts=self.state.restarts, log=say))
         # Downstream (lm-eval) evaluations of committed checkpoints, on Ray tasks of their own (rank 0 hands over).
@@ -178,19 +178,22 @@ class WorkerRun:
         do_log = step % cfg.run.log_every == 0 or last
         do_eval = self.evaluate is not None and ((cfg.run.eval_every and step % cfg.run.eval_every == 0) or last)
         do_ckpt = verdict.checkpoint_now or (last and cfg.checkpoint.save_final) or verdict.preempted is not None
-        # Before any storage save of this step: memory is never older than a committed checkpoint.
-        self.memory.snapshot(self.engine, self.state, force=do_ckpt,
+        rec: dict = {"step": step}
+        if do_log or do_eval or do_ckpt:
+            if do_log:
+                rec.update(self._log_record(verdict.loss, aux))
+                rec.update(self.memory.record())  # the stall of the newest snapshot before this step's
+            if do_eval:
+                rec.update(self.evaluate.record(self.engine))
+            self.tel.observe(rec, sync=do_eval or do_ckpt)
+            self.log.write(rec, sync=True if (do_eval or do_ckpt) else None)
+        # After the step's record (a restore from this snapshot resumes past it: the snapshot carries the records
+        # storage does not have yet), before any storage save of this step (memory is never older than a
+        # committed checkpoint).
+        self.memory.snapshot(self.engine, self.state, force=do_ckpt, log_tail=self.log.unsynced(),
                              committed=step_of(self.writer.committed) if self.writer.committed else None)
         if not (do_log or do_eval or do_ckpt):
             return
-        rec: dict = {"step": step}
-        if do_log:
-            rec.update(self._log_record(verdict.loss, aux))
-            rec.update(self.memory.record())
-        if do_eval:
-            rec.update(self.evaluate.record(self.engine))
-        self.tel.observe(rec, sync=do_eval or do_ckpt)
-        self.log.write(rec, sync=True if (do_eval or do_ckpt) else None)
         if do_ckpt:
             self._checkpoint(verdict.preempted)
         self.log.console(rec)  # after the save: the line names the checkpoint this step wrote
@@ -206,7 +209,7 @@ class WorkerRun:
     def roll_back(self, bad) -> None:
         """A bad loss: back to the newest checkpoint, past the bad batch (collective)."""
         self.writer.wait()  # the newest checkpoint must be committed before it can be rolled back to
-        self.memory.invalidate()  # the snapshots since that checkpoint belong to the bad timeline
+        self.memory.invalidate(everywhere=True)  # the snapshots since that checkpoint belong to the bad timeline
         self.state = roll_back(bad, tel=self.tel, engine=self.engine, state=self.state, data=self.data,
                                run_uri=self.cfg.run_uri, global_batch=self.cfg.global_batch)
         self.data.run_until(self.cfg.run.max_steps - self.state.step)  # the steps since the checkpoint are trained again
@@ -263,8 +266,10 @@ class WorkerRun:
     def _restore(self, resumed, earlier_attempts: int) -> TrainState:
         """Engine, RNG and counters from the resume point (collective), or a fresh state."""
         state = TrainState(world_size=self.world, global_batch=self.cfg.global_batch)
+        self.log_tail: list = []
         if self.from_memory is not None:
             state = apply_snapshot(self.engine, self.from_memory.state)
+            self.log_tail = self.from_memory.state.get("log_tail") or []  # for the RunLog (rank 0)
             self.from_memory.state = None  # the copy is in the engine now
             state.restarts += 1
             state.world_size, state.global_batch = self.world, self.cfg.global_batch

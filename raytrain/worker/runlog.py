@@ -80,7 +80,7 @@ def progress_line(rec: dict, max_steps: int, start_step: int, elapsed: float, tt
 
 class RunLog:
     def __init__(self, run_uri: str, max_steps: int, resumed_step: int, enabled: bool, progress_every: int = 1,
-                 *, trackers=None):
+                 *, trackers=None, tail: tuple = ()):
         self.run_uri, self.max_steps, self.enabled = run_uri, max_steps, enabled
         self.trackers = trackers  # W&B / MLflow (worker/trackers.py): every record written here goes there too
         self.progress_every = progress_every
@@ -89,12 +89,17 @@ class RunLog:
         self.history: list[dict] = []
         self.t_start = time.time()
         self.start_step = resumed_step
+        self._synced = 0  # records of history already in storage
         if not enabled:
             return
         self._local = os.path.join(tempfile.mkdtemp(prefix="raytrain-log-"), METRICS)
         # What the resumed step's checkpoint already covers; from step 0 that is nothing (the validation at step 0
         # runs again, and must not be in the file twice).
-        self.history = [r for r in RunDir(run_uri).read_jsonl(METRICS)
+        # `tail`: the records a memory snapshot carried that had not reached storage when its attempt died (remote
+        # storage is written at evaluations and checkpoints only); without them a restore from memory leaves a gap.
+        stored = RunDir(run_uri).read_jsonl(METRICS)
+        seen = {json.dumps(r, sort_keys=True) for r in stored}
+        self.history = [r for r in (*stored, *(r for r in tail if json.dumps(r, sort_keys=True) not in seen))
                         if r.get("step", 0) < resumed_step or 0 < r.get("step", 0) == resumed_step]
         with open(self._local, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in self.history)
@@ -118,6 +123,11 @@ class RunLog:
     def sync(self) -> None:
         if self.enabled:
             storage.upload_file(self._local, storage.join(self.run_uri, METRICS))
+            self._synced = len(self.history)
+
+    def unsynced(self) -> list[dict]:
+        """The records written since the last upload to storage (what a memory snapshot carries)."""
+        return self.history[self._synced:] if self.enabled else []
 
     def rewind(self, step: int) -> None:
         """After a rollback to `step`: the records past it describe work that is about to be redone."""
