@@ -118,3 +118,37 @@ def valid_request_token(authorization: str) -> bool:
     from ray._private.authentication.authentication_utils import validate_request_token
 
     return validate_request_token(authorization)
+
+
+def worker_group_callback_base() -> type:
+    """The base class of callbacks the Train controller runs around its worker groups (no public one in 2.60)."""
+    from ray.train.v2._internal.execution.callback import WorkerGroupCallback
+
+    return WorkerGroupCallback
+
+
+def restarting_state() -> type:
+    """The controller state a failure moves a running group into (a retry is decided)."""
+    from ray.train.v2._internal.execution.controller.state import RestartingState
+
+    return RestartingState
+
+
+def kv_put(key: str, value: bytes) -> None:
+    """A small value in the cluster's GCS key-value store (no object storage request, a millisecond)."""
+    from ray.experimental.internal_kv import _internal_kv_put
+
+    _internal_kv_put(key, value, overwrite=True, namespace="raytrain")
+
+
+def kv_get(key: str) -> Optional[bytes]:
+    from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_initialized
+
+    return _internal_kv_get(key, namespace="raytrain") if _internal_kv_initialized() else None
+
+
+def kv_del(key: str) -> None:
+    from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_initialized
+
+    if _internal_kv_initialized():
+        _internal_kv_del(key, namespace="raytrain")

@@ -221,6 +221,7 @@ def train(cfg: Config, log: Callable[[str], None] = print, inject: Optional[dict
     from ray.train.torch import TorchConfig
 
     from raytrain.model import apply_init_from
+    from raytrain.restart_phases import make_clock
     from raytrain.worker.loop import train_loop_per_worker
 
     cfg = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(
@@ -265,7 +266,7 @@ def train(cfg: Config, log: Callable[[str], None] = print, inject: Optional[dict
             # Two budgets: a spot run expects many preemptions but few real failures.
             failure_config=FailureConfig(max_failures=cfg.run.max_failures,
                                          max_preemption_failures=cfg.run.max_preemptions),
-            callbacks=callbacks,
+            callbacks=[*(callbacks or ()), make_clock(cfg.run_uri)],  # a restart's phases, for attempts.jsonl
             logging_config=LoggingConfig(log_level="WARNING"),  # worker-group start/stop lines: Ray's logs only
         ),
     )
@@ -280,6 +281,7 @@ def _fit(trainer, cfg: Config) -> None:
     """trainer.fit(), with the run's node records and host-memory snapshots around it; our errors as one line."""
     from raytrain.ckpt.node_memory import release_run as release_memory
     from raytrain.cost import NodeRecorder
+    from raytrain.restart_phases import forget as forget_restart_phases
 
     # Node time by market and lost nodes, for `raytrain cost` (raytrain/cost.py).
     recorder = NodeRecorder(cfg.run_uri) if cfg.cost.record_nodes else contextlib.nullcontext()
@@ -301,3 +303,4 @@ def _fit(trainer, cfg: Config) -> None:
         raise
     finally:
         release_memory(cfg.run_uri, cfg.checkpoint.memory_dir)
+        forget_restart_phases(cfg.run_uri)

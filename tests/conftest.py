@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from raytrain.data.prepare import PrepareConfig, prepare
-from tests.helpers import start_mlflow_server_install, start_moto, synthetic_docs, write_lm_eval_tasks
+from tests.helpers import S3_RECORD, start_mlflow_server_install, start_moto, synthetic_docs, write_lm_eval_tasks
 
 
 def pytest_collection_finish(session):
@@ -41,8 +41,9 @@ def tiny_data(corpus_dir, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def s3_server():
-    """A real S3-protocol server (moto in server mode) on 127.0.0.1, with the standard AWS env set."""
-    proc, endpoint = start_moto()
+    """A real S3-protocol server (moto in server mode) on 127.0.0.1, with the standard AWS env set; every request's
+    arrival is recorded in S3_RECORD (tests.helpers.s3_requests reads it)."""
+    proc, endpoint = start_moto(record_path=S3_RECORD)
     env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
            "AWS_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
     old = {k: os.environ.get(k) for k in env}
@@ -53,6 +54,8 @@ def s3_server():
     yield endpoint
     proc.terminate()
     proc.wait(timeout=10)
+    if os.path.exists(S3_RECORD):
+        os.unlink(S3_RECORD)
     for k, v in old.items():
         if v is None:
             os.environ.pop(k, None)

@@ -10,6 +10,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Optional
@@ -55,12 +56,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_moto(log_path: Optional[str] = None) -> tuple[subprocess.Popen, str]:
+# The session S3 server's request record (conftest.s3_server): one per pytest process.
+S3_RECORD = os.path.join(tempfile.gettempdir(), f"raytrain-test-s3-{os.getpid()}.log")
+
+
+def start_moto(log_path: Optional[str] = None, record_path: Optional[str] = None) -> tuple[subprocess.Popen, str]:
     """Start a moto S3 server on a free 127.0.0.1 port; returns (process, endpoint) once it listens. With log_path,
-    its request log (one line per request) goes there."""
+    its request log (one line per request) goes there; with record_path, each request's arrival time, method and
+    path (tests/moto_recorded.py; `s3_requests` reads it)."""
     port = free_port()
     exe = shutil.which("moto_server", path=os.path.dirname(sys.executable)) or "moto_server"
-    if log_path is None:
+    if record_path is not None:
+        proc = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "moto_recorded.py"),
+                                 "127.0.0.1", str(port), record_path], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+    elif log_path is None:
         proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)
     else:
@@ -74,6 +84,12 @@ def start_moto(log_path: Optional[str] = None) -> tuple[subprocess.Popen, str]:
             time.sleep(0.1)
     proc.kill()
     pytest.fail("moto_server did not start")
+
+
+def s3_requests(record_path: str, t0: float, t1: float) -> list[str]:
+    """The requests a recording moto server (start_moto(record_path=...)) received between t0 and t1 (unix times)."""
+    with open(record_path) as f:
+        return [line.strip() for line in f if t0 < float(line.split(" ", 1)[0]) < t1]
 
 
 def ensure_prometheus() -> tuple[str, str]:

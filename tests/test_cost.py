@@ -147,14 +147,15 @@ def test_heartbeat_is_read_back_by_the_next_attempt(tmp_path):
     from raytrain.worker.runlog import Heartbeat
 
     run = str(tmp_path / "run")
-    first = Heartbeat(run, enabled=True, interval_s=0.05).start(attempt=0, step=10)
-    assert first.previous is None
+    first = Heartbeat(run, enabled=True, interval_s=0.05)
+    assert first.read_previous() is None
+    first.start(attempt=0, step=10)
     first.beat(11)
     first.beat(12)
     time.sleep(0.3)  # no close(): a killed attempt leaves only what its thread wrote
-    nxt = Heartbeat(run, enabled=True)
-    assert nxt.previous["step"] == 12 and nxt.previous["attempt"] == 0
-    assert nxt.previous["time"] >= nxt.previous["step_time"]
+    previous = Heartbeat(run, enabled=True).read_previous()
+    assert previous["step"] == 12 and previous["attempt"] == 0
+    assert previous["time"] >= previous["step_time"]
     first.close()
     stuck = Heartbeat(run, enabled=True, interval_s=0.01, refresh_s=0.1).start(attempt=1, step=12)
     stuck.beat(13)
@@ -163,8 +164,8 @@ def test_heartbeat_is_read_back_by_the_next_attempt(tmp_path):
     assert beat["step"] == 13 and beat["time"] - beat["step_time"] >= 0.1 and beat["refresh_s"] == 0.1
     stuck.close()
     (tmp_path / "run" / "progress.json").write_text('{"step": 1')  # torn by a crash
-    assert Heartbeat(run, enabled=True).previous is None
-    assert Heartbeat(run, enabled=False).previous is None
+    assert Heartbeat(run, enabled=True).read_previous() is None
+    assert Heartbeat(run, enabled=False).read_previous() is None
 
 
 def test_heartbeat_says_a_stop_at_once_not_a_write_interval_later(tmp_path, monkeypatch):

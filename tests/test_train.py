@@ -14,9 +14,10 @@ import pytest
 from raytrain import cost, storage
 from raytrain.ckpt.layout import dir_name
 from raytrain.data.prepare import PrepareConfig, prepare
+from raytrain.rundir import ATTEMPTS, RunDir
 from raytrain.trainer import train
 from raytrain.worker.runlog import HEARTBEAT_S
-from tests.helpers import tiny_cfg
+from tests.helpers import S3_RECORD, s3_requests, tiny_cfg
 
 pytestmark = pytest.mark.slow
 
@@ -167,18 +168,33 @@ def _assert_memory_released(cfg) -> None:
     assert not glob.glob(file_prefix(cfg.checkpoint.memory_dir, cfg.run_uri) + "*")
 
 
-def test_zero3_killed_worker_resumes_from_host_memory_with_identical_losses(ray_cluster, tiny_data, tmp_path):
+def test_zero3_killed_worker_resumes_from_host_memory_with_identical_losses(ray_cluster, s3_server, tiny_data,
+                                                                          tmp_path):
     """ZeRO-3 (weights partitioned too) and no storage checkpoint to fall back on: rank 0 SIGKILLed right after
     step 5's optimizer step resumes from the node's memory snapshots of step 4, loss for loss and batch for batch
-    with an uninterrupted ZeRO-3 run (snapshots off there: the cost of the tier shows as its stall)."""
+    with an uninterrupted ZeRO-3 run (snapshots off there: the cost of the tier shows as its stall). The run
+    directory is on the S3 server, which sees no request from the kill to the first resumed step."""
     common = ("run.max_steps=8", "checkpoint.every_n_steps=100", "checkpoint.save_final=false", "deepspeed.zero_stage=3")
     ref = tiny_cfg(tiny_data, tmp_path, "z3ref", *common, "checkpoint.memory=false")
     train(ref, log=lambda *_: None)
-    cfg = tiny_cfg(tiny_data, tmp_path, "z3mem", *common, "run.max_failures=1", "checkpoint.memory=true")
+    cfg = tiny_cfg(tiny_data, "s3://raytrain-test/runs", "z3mem", *common, "run.max_failures=1", "checkpoint.memory=true")
     summary = train(cfg, log=lambda *_: None, inject={"crash_at_step": 5, "marker": str(tmp_path / "died"), "rank": 0})
     assert (tmp_path / "died").exists() and summary["restarts"] == 1
     (rec,) = [json.loads(x) for x in storage.read_text(cfg.run_uri + "/restores.jsonl").splitlines()]
     assert rec["source"] == "memory:local" and rec["step"] == 4, rec
+    # The object store is out of the critical path: every record start-up needs came with the snapshot, and what
+    # it writes (restores.jsonl, attempts.jsonl, the heartbeat) waits for the first step.
+    killed = float((tmp_path / "died").read_text())
+    resumed = RunDir(cfg.run_uri).read_jsonl(ATTEMPTS)[-1]
+    assert resumed["resumed_step"] == 4 and resumed["first_step_time"] - killed > 1, resumed
+    # In that window only two writers outside the restart may touch the run directory: the dying attempt's surviving
+    # rank filing its diagnosis of the collective it waits in, and the driver's node-time record (every 5 s).
+    window = s3_requests(S3_RECORD, killed, resumed["first_step_time"])
+    outside = {f"/raytrain-test/runs/z3mem/{name}" for name in ("comm_failure.txt", "nodes.json")}
+    assert [r for r in window if r.split(" ")[2] not in outside] == [], window
+    # The controller's side of the restart is in the attempt's line: fault seen, group torn down, new group up.
+    ctl = resumed["controller"]
+    assert killed < ctl["fault_detected"] <= ctl["group_torn_down"] <= ctl["group_up"] <= resumed["first_step_time"], ctl
     got, want = _losses(cfg.run_uri), _losses(ref.run_uri)
     assert sorted(got) == list(range(1, 9)) and got == want  # exactly: the same fp32 arithmetic
     assert _crcs(cfg.run_uri) == _crcs(ref.run_uri)

@@ -40,11 +40,11 @@ def engine_kind(engine) -> Optional[str]:
     return None
 
 
-def capture(engine, state: TrainState, kind: str, committed: Optional[int], log_tail: list) -> dict:
-    """This rank's resumable state (references to the live tensors: copy before the next step); `log_tail`: rank
-    0's metrics records not yet in storage."""
+def capture(engine, state: TrainState, kind: str, committed: Optional[int], run_records: dict) -> dict:
+    """This rank's resumable state (references to the live tensors: copy before the next step); `run_records`: rank
+    0's records a restore would otherwise read from storage (the metrics not yet there, the run's attempt count)."""
     sd = {"format": FORMAT, "kind": kind, "train_state": asdict(state), "rng": rng_state(), "committed": committed,
-          "log_tail": log_tail,
+          "run_records": run_records,
           "engine": {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
                      "skipped_steps": engine.skipped_steps},
           "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None}
@@ -156,7 +156,7 @@ class MemoryTier:
         return snap.state
 
     def snapshot(self, engine, state: TrainState, *, committed: Optional[int] = None, force: bool = False,
-                 log_tail: tuple = ()) -> None:
+                 run_records: Optional[dict] = None) -> None:
         """Copy this rank's state into the older generation when due (every memory_every_n_steps, and at every
         storage checkpoint, before it is saved: memory is then never older than a committed checkpoint)."""
         if not self.enabled or not (force or state.step % self.c.memory_every_n_steps == 0):
@@ -165,7 +165,7 @@ class MemoryTier:
         kind = engine_kind(engine)
         if kind is None:
             return self._off(f"optimizer {type(engine.optimizer).__name__} is not one the memory tier captures")
-        skeleton, tensors = snapshot.dump_skeleton(capture(engine, state, kind, committed, list(log_tail)))
+        skeleton, tensors = snapshot.dump_skeleton(capture(engine, state, kind, committed, run_records or {}))
         path = self._path(self._gen, snapshot.size_needed(skeleton, tensors))
         if path is None:
             return

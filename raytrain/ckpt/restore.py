@@ -27,9 +27,10 @@ class MemoryPoint:
     step: int
     state: dict
     source: str = "memory:local"
+    record: Optional[dict] = None  # rank 0's restores.jsonl line, written after the first step (off the critical path)
 
 
-def find_memory_point(memory, rank: int, run_uri: str) -> Optional[MemoryPoint]:
+def find_memory_point(memory, rank: int) -> Optional[MemoryPoint]:
     """The newest step whose snapshot of every rank some node of the run holds (the rank's own node first, else a
     peer copy or a node it ran on before), at one data position, and not older than the newest committed storage
     checkpoint any snapshot knew of; None (storage path) otherwise.
@@ -64,10 +65,10 @@ def find_memory_point(memory, rank: int, run_uri: str) -> Optional[MemoryPoint]:
                         "memory:peer" if fetched else "memory:local")
     if rank == 0:
         say(f"restore step {step} from host memory ({point.source}) in {time.perf_counter() - t0:.2f} s")
-        RunDir(run_uri).append_jsonl(RESTORES, {
+        point.record = {
             "source": point.source, "step": step, "checkpoint": None, "ok": True, "time": round(time.time(), 3),
             "s": round(time.perf_counter() - t0, 3), "fetched_ranks": fetched,
-            "ranks": [{"rank": r["rank"], "node": r["node"]} for r in recs]})
+            "ranks": [{"rank": r["rank"], "node": r["node"]} for r in recs]}
     return point
 
 

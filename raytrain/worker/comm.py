@@ -131,8 +131,6 @@ def watch_for_run(cfg, *, rank: int, world: int, cuda: bool, count: Callable[[st
     from raytrain.rundir import COMM_FAILURE, RunDir
 
     comm_file = RunDir(cfg.run_uri).uri(COMM_FAILURE)
-    if rank == 0:
-        storage.delete_file(comm_file)  # an earlier attempt's diagnosis must not explain this one's end
     return CommWatch(rank, world, "nccl" if cuda else "gloo", cfg.scaling.collective_timeout_s, count=count,
                      report=lambda msg: storage.write_text(comm_file, msg),
                      retract=lambda: storage.delete_file(comm_file))

@@ -22,7 +22,7 @@ from raytrain.rundir import EVAL_QUEUE, RunDir
 class DownstreamEvals:
     """This attempt's evaluation tasks: `poll(committed)` every step, `drain()` at the end; both return records."""
 
-    def __init__(self, eval_cfg, *, run_uri: str, enabled: bool, logged: list[dict], log: Callable[[str], None]):
+    def __init__(self, eval_cfg, *, run_uri: str, enabled: bool, log: Callable[[str], None]):
         self.cfg, self.run_uri, self.say = eval_cfg, run_uri, log
         self.enabled = enabled and bool(eval_cfg.tasks)
         self.pending: dict = {}  # ObjectRef -> (step, checkpoint name)
@@ -34,6 +34,10 @@ class DownstreamEvals:
         self.inbox: queue.Queue = queue.Queue()
         if self.enabled:
             threading.Thread(target=self._submitter, name="raytrain-eval-submit", daemon=True).start()
+
+    def open(self, *, logged: list[dict]) -> None:
+        """After the attempt's first step (storage is read): what earlier attempts left, given the records logged."""
+        if self.enabled:
             self._catch_up({r["step"] for r in logged if any(k.startswith("eval/") for k in r)})
 
     def _catch_up(self, logged_steps: set[int]) -> None:

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from raytrain.config import Config
+from raytrain.rundir import RESTORES, RunDir
 from raytrain.data.manifest import Split
 from raytrain.ds_config import build_ds_config, lr_lambda, resolve_dtype
 from raytrain.errors import UserError
@@ -70,7 +71,7 @@ class WorkerRun:
         # Host memory before storage: this node's snapshot of the newest step every rank holds (ckpt/memory.py).
         self.memory = MemoryTier(cfg.checkpoint, run_uri=cfg.run_uri, rank=rank, world=world,
                                  enabled=cfg.deepspeed.tensor_parallel_size == 1)
-        self.from_memory = find_memory_point(self.memory, rank, cfg.run_uri)
+        self.from_memory = find_memory_point(self.memory, rank)
         resumed = None if self.from_memory else find_resume_point(
             cfg.run_uri, rank, deep=cfg.checkpoint.verify_on_resume == "checksum", local_dir=cfg.checkpoint.local_dir,
             tensor_parallel=cfg.deepspeed.tensor_parallel_size > 1)
@@ -78,7 +79,11 @@ class WorkerRun:
         self.engine, self.n_params, n_active = self._build_engine(resumed, train_split, device)
         dp_rank, self.dp_size = _data_parallel_rank(cfg, rank, world)
         self.boot["engine"] = time.time()
-        started, earlier_attempts = run_history(cfg.run_uri)
+        # (run start, attempts before this one): from attempts.jsonl, or carried by the memory snapshot (no storage
+        # request between a fault and the first resumed step: _open_records writes and reads after it).
+        self.run_records = (self.from_memory.state.get("run_records") or {}) if self.from_memory else {}
+        started, earlier_attempts = (self.run_records["run_started"], self.run_records["attempts"] + 1) \
+            if "attempts" in self.run_records else run_history(cfg.run_uri)
         self.state = self._restore(resumed, earlier_attempts)
         if self.lora_base is not None:  # the adapter must meet the base it was trained on
             lora.check_base(self.state.lora_base, self.lora_base["sha256"], resumed.uri if resumed else cfg.run_uri)
@@ -95,17 +100,19 @@ class WorkerRun:
         self.evaluate = evaluator_for(cfg.data, split=val_split, sources=loop_config.get("val_sources"),
                                       micro_batch=cfg.batch.micro_batch_size, rank=dp_rank, world=self.dp_size,
                                       device=device)
-        self.log = RunLog(cfg.run_uri, cfg.run.max_steps, self.state.step, enabled=rank == 0, tail=self.log_tail,
+        self.log = RunLog(cfg.run_uri, cfg.run.max_steps, self.state.step, enabled=rank == 0,
+                          tail=self.run_records.get("log_tail", ()),
                           progress_every=progress_every(cfg.run.progress_every, cfg.run.log_every, cfg.run.max_steps),
                           trackers=Trackers(cfg, enabled=rank == 0, restarts=self.state.restarts, log=say))
         # Downstream (lm-eval) evaluations of committed checkpoints, on Ray tasks of their own (rank 0 hands over).
-        self.downstream = DownstreamEvals(cfg.eval, run_uri=cfg.run_uri, enabled=rank == 0, logged=self.log.history,
-                                          log=say)
+        self.downstream = DownstreamEvals(cfg.eval, run_uri=cfg.run_uri, enabled=rank == 0, log=say)
         # The checkpoint this attempt resumed from is never pruned while it runs.
         self.writer = CheckpointWriter(cfg.checkpoint, run_uri=cfg.run_uri, rank=rank, world=world,
                                        protect=(f"{cfg.run_uri}/{self.resumed_from}",) if resumed else ())
         self.cadence = cadence_for(cfg.checkpoint, run_started=started, restarts=earlier_attempts)
-        self.cadence.seed([r["ckpt_stall_s"] for r in self.log.history if isinstance(r.get("ckpt_stall_s"), (int, float))])
+        # What this attempt's snapshots carry (the first attempt's start is its own, as attempts.jsonl will say).
+        self.run_records = {"run_started": started if started is not None else round(self.t_start, 3),
+                            "attempts": earlier_attempts}
         self.notice = PreemptionNotice(rank, enabled=cfg.checkpoint.on_preemption)
         self.agreement = StepAgreement(notice=self.notice, cadence=self.cadence, rank=rank, world=world, device=device)
         self.tel = Telemetry(cfg, rank, world, self.cuda, flops_per_token(n_active, cfg.model), log=say)
@@ -130,7 +137,8 @@ class WorkerRun:
                 self.notice.defer(verdict.preempted)  # acted on once the rolled-back steps are redone
                 self.roll_back(bad)
                 continue
-            self.attempt.stepped()
+            if self.attempt.stepped():
+                self._open_records()
             self.state.samples_seen += gb
             self.state.tokens_seen += gb * cfg.model.seq_len
             self.window.steps += 1
@@ -190,7 +198,8 @@ class WorkerRun:
         # After the step's record (a restore from this snapshot resumes past it: the snapshot carries the records
         # storage does not have yet), before any storage save of this step (memory is never older than a
         # committed checkpoint).
-        self.memory.snapshot(self.engine, self.state, force=do_ckpt, log_tail=self.log.unsynced(),
+        self.memory.snapshot(self.engine, self.state, force=do_ckpt,
+                             run_records={**self.run_records, "log_tail": self.log.unsynced()},
                              committed=step_of(self.writer.committed) if self.writer.committed else None)
         if not (do_log or do_eval or do_ckpt):
             return
@@ -206,6 +215,20 @@ class WorkerRun:
             # to collect it (about a second), which would throttle a loop that logs every step.
             ray.train.report(rec)
 
+    def _open_records(self) -> None:
+        """After the attempt's first step: what start-up would otherwise read and write in storage between a fault
+        and the first resumed step - the metrics history (then the downstream evaluations' catch-up and the
+        checkpoint cost history read from it), the memory restore's restores.jsonl line, an earlier attempt's
+        communication-failure diagnosis removed (rank 0; the others have nothing to do)."""
+        if self.rank != 0:
+            return
+        self.log.open()
+        self.downstream.open(logged=self.log.history)
+        self.cadence.seed([r["ckpt_stall_s"] for r in self.log.history if isinstance(r.get("ckpt_stall_s"), (int, float))])
+        if self.from_memory is not None and self.from_memory.record is not None:
+            RunDir(self.cfg.run_uri).append_jsonl(RESTORES, self.from_memory.record)
+        self.comm.retract()  # an earlier attempt's diagnosis must not explain this one's end
+
     def roll_back(self, bad) -> None:
         """A bad loss: back to the newest checkpoint, past the bad batch (collective)."""
         self.writer.wait()  # the newest checkpoint must be committed before it can be rolled back to
@@ -220,6 +243,8 @@ class WorkerRun:
 
     def finish(self) -> None:
         """The final upload and commit, the data counters (collective) and summary.json (rank 0)."""
+        if self.attempt.first:  # resumed at the last step: no step, so the records were not opened yet
+            self._open_records()
         data_stats = self.data.stats(self.world, self.window.since_start())
         self.data.close()
         self.writer.wait()
@@ -266,10 +291,8 @@ class WorkerRun:
     def _restore(self, resumed, earlier_attempts: int) -> TrainState:
         """Engine, RNG and counters from the resume point (collective), or a fresh state."""
         state = TrainState(world_size=self.world, global_batch=self.cfg.global_batch)
-        self.log_tail: list = []
         if self.from_memory is not None:
             state = apply_snapshot(self.engine, self.from_memory.state)
-            self.log_tail = self.from_memory.state.get("log_tail") or []  # for the RunLog (rank 0)
             self.from_memory.state = None  # the copy is in the engine now
             state.restarts += 1
             state.world_size, state.global_batch = self.world, self.cfg.global_batch

@@ -86,33 +86,45 @@ class RunLog:
         self.progress_every = progress_every
         self.checkpoint: Optional[str] = None  # the newest checkpoint saved, named on the progress line
         self.remote = storage.is_remote(run_uri)
-        self.history: list[dict] = []
         self.t_start = time.time()
         self.start_step = resumed_step
+        self._tail = list(tail)
+        self._history: Optional[list[dict]] = None if enabled else []  # read from storage on first use (open)
         self._synced = 0  # records of history already in storage
-        if not enabled:
+
+    def open(self) -> None:
+        """Read what earlier attempts logged (once; every other method calls it): after the first step, so that no
+        storage request stands between a fault and the first resumed step."""
+        if self._history is not None:
             return
         self._local = os.path.join(tempfile.mkdtemp(prefix="raytrain-log-"), METRICS)
         # What the resumed step's checkpoint already covers; from step 0 that is nothing (the validation at step 0
         # runs again, and must not be in the file twice).
         # `tail`: the records a memory snapshot carried that had not reached storage when its attempt died (remote
         # storage is written at evaluations and checkpoints only); without them a restore from memory leaves a gap.
-        stored = RunDir(run_uri).read_jsonl(METRICS)
+        stored = RunDir(self.run_uri).read_jsonl(METRICS)
         seen = {json.dumps(r, sort_keys=True) for r in stored}
-        self.history = [r for r in (*stored, *(r for r in tail if json.dumps(r, sort_keys=True) not in seen))
-                        if r.get("step", 0) < resumed_step or 0 < r.get("step", 0) == resumed_step]
+        step = self.start_step
+        self._history = [r for r in (*stored, *(r for r in self._tail if json.dumps(r, sort_keys=True) not in seen))
+                         if r.get("step", 0) < step or 0 < r.get("step", 0) == step]
         with open(self._local, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in self.history)
+            f.writelines(json.dumps(r) + "\n" for r in self._history)
         self.sync()
-        for r in self.history if trackers is not None else ():
-            trackers.write(r)  # what a killed attempt wrote but had not sent yet (the trackers skip what they hold)
+        for r in self._history if self.trackers is not None else ():
+            self.trackers.write(r)  # what a killed attempt wrote but had not sent yet (the trackers skip what they hold)
+
+    @property
+    def history(self) -> list[dict]:
+        """Every record of the run up to now (this attempt's and what earlier attempts left)."""
+        self.open()
+        return self._history
 
     def write(self, rec: dict, sync: Optional[bool] = None) -> None:
         if not self.enabled:
             return
         # Wall-clock time on every line: recovery time after a failure is read off these.
         rec = {**{k: _fmt(v) for k, v in rec.items()}, "time": round(time.time(), 3)}
-        self.history.append(rec)
+        self.history.append(rec)  # (opens the log first)
         with open(self._local, "a") as f:
             f.write(json.dumps(rec) + "\n")
         if self.trackers is not None:
@@ -122,18 +134,21 @@ class RunLog:
 
     def sync(self) -> None:
         if self.enabled:
+            self.open()
             storage.upload_file(self._local, storage.join(self.run_uri, METRICS))
             self._synced = len(self.history)
 
     def unsynced(self) -> list[dict]:
         """The records written since the last upload to storage (what a memory snapshot carries)."""
-        return self.history[self._synced:] if self.enabled else []
+        if not self.enabled:
+            return []
+        return self._tail if self._history is None else self._history[self._synced:]
 
     def rewind(self, step: int) -> None:
         """After a rollback to `step`: the records past it describe work that is about to be redone."""
         if not self.enabled:
             return
-        self.history = [r for r in self.history if r.get("step", 0) <= step]
+        self._history = [r for r in self.history if r.get("step", 0) <= step]
         with open(self._local, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in self.history)
         self.sync()
@@ -200,7 +215,6 @@ class Heartbeat:
         self.refresh_s = max(refresh_s, self.interval_s)
         self._changed = threading.Condition()
         self.uri = storage.join(run_uri, PROGRESS)
-        self.previous: Optional[dict] = None
         self._step: Optional[int] = None
         self._step_time = 0.0
         self._step_gaps: list[float] = []  # seconds between the loop's recent consecutive steps
@@ -210,11 +224,16 @@ class Heartbeat:
         self._warned = False
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
-        if enabled and storage.exists(self.uri):
-            try:
-                self.previous = json.loads(storage.read_text(self.uri))
-            except (ValueError, OSError):
-                self.previous = None  # torn by the crash: the run then falls back to time-based estimates
+
+    def read_previous(self) -> Optional[dict]:
+        """The beat an earlier attempt left (how far it got); None if none, or torn by the crash (the run then falls
+        back to time-based estimates)."""
+        if not (self.enabled and storage.exists(self.uri)):
+            return None
+        try:
+            return json.loads(storage.read_text(self.uri))
+        except (ValueError, OSError):
+            return None
 
     def start(self, attempt: int, step: int) -> "Heartbeat":
         """Beats at once with the resumed step, so a quick crash is never read as an older attempt's progress."""
@@ -306,30 +325,45 @@ def record_attempt(run_uri: str, rec: dict) -> None:
 
 class Attempt:
     """Where this attempt started and when its first step was done (rank 0 records it in attempts.jsonl):
-    recovery time, steps lost, cost. Owns the heartbeat that tells a later attempt how far this one got."""
+    recovery time, steps lost, cost. Owns the heartbeat that tells a later attempt how far this one got.
+    Nothing here touches storage before the first step: the record and the heartbeat start after it."""
 
     def __init__(self, run_uri: str, *, rank: int, world: int, state, t_start: float, boot: dict):
-        self.run_uri, self.t_start, self.boot = run_uri, t_start, boot
-        self.beat = Heartbeat(run_uri, enabled=rank == 0).start(state.restarts, state.step)
+        self.run_uri, self.t_start, self.boot, self.state = run_uri, t_start, boot, state
+        self.beat = Heartbeat(run_uri, enabled=rank == 0)
         self.rec = {"attempt": state.restarts, "resumed_step": state.step, "time": round(t_start, 3),
-                    "world_size": world, **({"previous_progress": self.beat.previous} if self.beat.previous else {})} \
-            if rank == 0 else None
+                    "world_size": world} if rank == 0 else None
+        self.first = True
         boot["setup"] = time.time()
 
     def got_batch(self) -> None:
-        if self.rec is not None:
+        if self.first:
             self.boot["first_batch"] = time.time()
 
     def reached(self, step: int) -> None:
         """Right after the optimizer step: the heartbeat (a fault at this step finds it recorded)."""
-        self.beat.beat(step)
+        if not self.first:
+            self.beat.beat(step)
 
-    def stepped(self) -> None:
-        """After the step's verdict (the first only): the attempt's record."""
+    def stepped(self) -> bool:
+        """After the step's verdict; True after the first only (then the attempt's record, its heartbeat)."""
+        if not self.first:
+            return False
+        self.first = False
+        now = time.time()
         if self.rec is not None:
-            record_attempt(self.run_uri, {**self.rec, "first_step_time": round(time.time(), 3),
-                                          "startup_s": {k: round(v - self.t_start, 3) for k, v in self.boot.items()}})
-            self.rec = None
+            from raytrain import restart_phases
+
+            previous = self.beat.read_previous()  # before this attempt's own first beat replaces it
+            rec = {**self.rec, **({"previous_progress": previous} if previous else {}),
+                   "first_step_time": round(now, 3),
+                   "startup_s": {k: round(v - self.t_start, 3) for k, v in self.boot.items()}}
+            ctl = restart_phases.read(self.run_uri)  # the controller's side: fault seen, group torn down, group up
+            if ctl and self.t_start - 120 <= ctl.get("train_fn_started", 0) <= self.t_start + 5:  # this group's
+                rec["controller"] = ctl
+            record_attempt(self.run_uri, rec)
+        self.beat.start(self.state.restarts, self.state.step)
+        return True
 
     def close(self) -> None:
         self.beat.close()
