@@ -81,9 +81,9 @@ class WorkerRun:
         self.boot["engine"] = time.time()
         # (run start, attempts before this one): from attempts.jsonl, or carried by the memory snapshot (no storage
         # request between a fault and the first resumed step: _open_records writes and reads after it).
-        self.run_records = (self.from_memory.state.get("run_records") or {}) if self.from_memory else {}
-        started, earlier_attempts = (self.run_records["run_started"], self.run_records["attempts"] + 1) \
-            if "attempts" in self.run_records else run_history(cfg.run_uri)
+        carried = (self.from_memory.state.get("run_records") or {}) if self.from_memory else {}
+        started, earlier_attempts = (carried["run_started"], carried["attempts"] + 1) \
+            if "attempts" in carried else run_history(cfg.run_uri)
         self.state = self._restore(resumed, earlier_attempts)
         if self.lora_base is not None:  # the adapter must meet the base it was trained on
             lora.check_base(self.state.lora_base, self.lora_base["sha256"], resumed.uri if resumed else cfg.run_uri)
@@ -101,7 +101,7 @@ class WorkerRun:
                                       micro_batch=cfg.batch.micro_batch_size, rank=dp_rank, world=self.dp_size,
                                       device=device)
         self.log = RunLog(cfg.run_uri, cfg.run.max_steps, self.state.step, enabled=rank == 0,
-                          tail=self.run_records.get("log_tail", ()),
+                          tail=carried.get("log_tail", ()),
                           progress_every=progress_every(cfg.run.progress_every, cfg.run.log_every, cfg.run.max_steps),
                           trackers=Trackers(cfg, enabled=rank == 0, restarts=self.state.restarts, log=say))
         # Downstream (lm-eval) evaluations of committed checkpoints, on Ray tasks of their own (rank 0 hands over).
