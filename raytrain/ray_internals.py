@@ -63,8 +63,13 @@ def pin_preemption_watcher_to_head(callbacks: list) -> list:
     from ray.train.v2._internal.constants import ENABLE_PREEMPTION_WATCHER_ENV_VAR
     from ray.train.v2._internal.execution.preemption import PreemptionWatcher
 
-    if ENABLE_PREEMPTION_WATCHER_ENV_VAR in os.environ:
-        return callbacks
+    if not _WATCHER_SWITCHED_OFF:
+        if ENABLE_PREEMPTION_WATCHER_ENV_VAR in os.environ:
+            return callbacks  # the user's own setting of Ray's switch
+        # Process-wide, not set and unset around one run: Tune starts trials' controllers from several threads.
+        # Remembered, so the next run in this process (a Tune trial, a resubmission) still gets a watcher.
+        os.environ[ENABLE_PREEMPTION_WATCHER_ENV_VAR] = "0"
+        _WATCHER_SWITCHED_OFF.append(True)
 
     class HeadPreemptionCallback(PreemptionCallback):
         def after_worker_group_start(self, worker_group) -> None:
@@ -80,9 +85,10 @@ def pin_preemption_watcher_to_head(callbacks: list) -> list:
             self._watcher = watcher.remote(node_to_ranks=node_to_ranks, poll_interval_s=self._poll_interval_s,
                                            worker_actors_by_rank=actors)
 
-    # Process-wide, not set and unset around one run: Tune starts trials' controllers from several threads.
-    os.environ[ENABLE_PREEMPTION_WATCHER_ENV_VAR] = "0"
     return [*callbacks, HeadPreemptionCallback()]
+
+
+_WATCHER_SWITCHED_OFF: list = []  # set once this process turned Ray's own watcher off (the user had not)
 
 
 def reset_token_cache() -> None:

@@ -17,7 +17,7 @@ from raytrain.ray_internals import controller_callback_base, kv_del, kv_get, kv_
     worker_group_callback_base
 
 # Phase names, in order; each the time it ended.
-PHASES = ("fault_detected", "group_torn_down", "group_starting", "group_up", "train_fn_started")
+PHASES = ("fault_detected", "group_torn_down", "group_starting", "workers_created", "group_up", "train_fn_started")
 
 
 def _key(run_uri: str) -> str:
@@ -67,6 +67,10 @@ def make_clock(run_uri: str):
 
         def before_worker_group_start(self, worker_group_context) -> None:
             self._mark("group_starting")
+
+        def before_init_train_context(self, workers) -> dict:
+            self._mark("workers_created")  # resources placed, worker processes up; next: context, process group
+            return {}
 
         def after_worker_group_start(self, worker_group) -> None:
             self._mark("group_up")

@@ -205,28 +205,42 @@ def test_zero3_killed_worker_resumes_from_host_memory_with_identical_losses(ray_
     _assert_memory_released(cfg)
 
 
-def test_resubmitted_run_resumes_from_s3(ray_cluster, s3_server, corpus_dir, tmp_path, baseline):
-    """Data and checkpoints on the local S3 server; the first job dies, the same run submitted again resumes."""
+def test_resubmitted_run_on_s3_skips_a_corrupt_newest_checkpoint(ray_cluster, s3_server, corpus_dir, tmp_path,
+                                                                 baseline):
+    """Data and checkpoints on the local S3 server; the first job dies at step 9, after checkpoint 8 committed. A byte
+    flipped in place in checkpoint 8 (same size, so only its sha256 tells): the same run submitted again skips it,
+    resumes from checkpoint 4 and still matches the uninterrupted run."""
     _, want = baseline
     data = "s3://raytrain-test/data/synthetic"
     prepare(PrepareConfig(inputs=[str(corpus_dir)], out=data, vocab_size=300, seq_len=32, shard_rows=64,
                           near_dup_threshold=1.0,
                           val_fraction=0.1), log=lambda *_: None)
     runs = "s3://raytrain-test/runs"
-    # Sync upload: checkpoint 4 must be committed before the crash two steps later, however loaded the machine.
+    # Sync upload: checkpoint 8 must be committed before the crash a step later, however loaded the machine.
     cfg = tiny_cfg(data, runs, "resubmit", "run.max_steps=12", "checkpoint.every_n_steps=4", "checkpoint.upload=sync",
                    f"checkpoint.local_dir={tmp_path / 'node'}")
     with pytest.raises(Exception):
-        train(cfg, log=lambda *_: None, inject={"crash_at_step": 6, "marker": str(tmp_path / "crashed")})
+        train(cfg, log=lambda *_: None, inject={"crash_at_step": 9, "marker": str(tmp_path / "crashed")})
     fs, base = storage.resolve(runs + "/resubmit")
     names = [i.base_name for i in fs.get_file_info(pafs.FileSelector(base))]
-    assert "checkpoint_00000004" in names and "summary.json" not in names
+    assert {"checkpoint_00000004", "checkpoint_00000008"} <= set(names) and "summary.json" not in names
+    # Rank 1's optimizer partition: only rank 1 reads it, so only rank 1 can see the damage.
+    rel = "engine/zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    shard = runs + "/resubmit/checkpoint_00000008/" + rel
+    damaged = bytearray(storage.read_bytes(shard))
+    damaged[len(damaged) // 2] ^= 0xFF
+    storage.write_bytes(shard, bytes(damaged))
     summary = train(cfg, log=lambda *_: None)
     assert summary["checkpoint"] == runs + "/resubmit/checkpoint_00000012"
+    attempts = [json.loads(x) for x in storage.read_text(runs + "/resubmit/attempts.jsonl").splitlines()]
+    assert [a["resumed_step"] for a in attempts] == [0, 4]
+    # Detected by rank 1 alone; both ranks moved on together to checkpoint 4 (one all-gather decides).
+    restores = [json.loads(x) for x in storage.read_text(runs + "/resubmit/restores.jsonl").splitlines()]
+    assert [(r["checkpoint"], r["ok"]) for r in restores] == [("checkpoint_00000008", False), ("checkpoint_00000004", True)]
+    assert [r["bad"] for r in restores[0]["ranks"]] == [[], [rel]]
     # Restore: each rank read only its own partitions and the shared files, each file downloaded once per node
     # (both workers share this node), sha256-checked as it streamed in; the staging is gone afterwards.
-    (rec,) = [json.loads(x) for x in storage.read_text(runs + "/resubmit/restores.jsonl").splitlines()]
-    assert rec["ok"] and rec["checkpoint"] == "checkpoint_00000004"
+    rec = restores[1]
     manifest = json.loads(storage.read_text(runs + "/resubmit/checkpoint_00000004/manifest.json"))["files"]
     total = sum(f["size"] for f in manifest.values())
     partition = {r: sum(f["size"] for k, f in manifest.items() if f"rank_{r}_" in k or k.endswith(f"rank_0000{r}.pt"))
@@ -310,28 +324,3 @@ def test_workers_taking_every_cpu_still_get_their_data(ray_cluster, tiny_data, t
     cfg = tiny_cfg(tiny_data, tmp_path, "starved", "scaling.cpus_per_worker=2", "data.stall_timeout_s=20",
                    "run.max_steps=3", "checkpoint.every_n_steps=1000", "checkpoint.save_final=false")
     assert train(cfg, log=lambda *_: None)["steps"] == 3
-
-
-def test_corrupt_newest_checkpoint_resumes_from_the_previous_one(ray_cluster, tiny_data, tmp_path, baseline):
-    """A byte flipped in place in the newest checkpoint (same size, so only its sha256 tells): the resumed
-    run skips it, resumes from the one before, and still matches the uninterrupted run."""
-    _, want = baseline
-    cfg = tiny_cfg(tiny_data, tmp_path, "corrupt", "run.max_steps=12", "checkpoint.every_n_steps=4")
-    with pytest.raises(Exception):  # dies at step 9, after checkpoint 8 was committed
-        train(cfg, log=lambda *_: None, inject={"crash_at_step": 9, "marker": str(tmp_path / "died")})
-    # Rank 1's optimizer partition: only rank 1 reads it, so only rank 1 can see the damage.
-    rel = "engine/zero_pp_rank_1_mp_rank_00_optim_states.pt"
-    shard = tmp_path / "corrupt" / "checkpoint_00000008" / rel
-    data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    shard.write_bytes(bytes(data))
-    train(cfg, log=lambda *_: None)
-    attempts = [json.loads(x) for x in (tmp_path / "corrupt" / "attempts.jsonl").read_text().splitlines()]
-    assert [a["resumed_step"] for a in attempts] == [0, 4]
-    # Detected by rank 1 alone; both ranks moved on together to checkpoint 4 (one all-gather decides).
-    restores = [json.loads(x) for x in (tmp_path / "corrupt" / "restores.jsonl").read_text().splitlines()]
-    assert [(r["checkpoint"], r["ok"]) for r in restores] == [("checkpoint_00000008", False), ("checkpoint_00000004", True)]
-    assert [r["bad"] for r in restores[0]["ranks"]] == [[], [rel]]
-    got = _losses(cfg.run_uri)
-    for step in range(5, 13):
-        assert got[step] == pytest.approx(want[step], abs=1e-5), step

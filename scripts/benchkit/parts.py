@@ -400,7 +400,8 @@ def recovery(data: str, tmp: str, quick: bool, log: Callable = print) -> list[di
 
 # Phases of a restart, in order: (name, where its end comes from). Controller phases are unix times in the attempt's
 # "controller" record; worker phases are seconds from the train function's start in its "startup_s".
-RESTART_PHASES = (("detected", "fault_detected"), ("torn down", "group_torn_down"), ("group up", "group_up"),
+RESTART_PHASES = (("detected", "fault_detected"), ("torn down", "group_torn_down"),
+                  ("workers created", "workers_created"), ("group up", "group_up"),
                   ("train fn", "train_fn_started"), ("worker imports", "t_start"), ("memory agreed", "resume_point"),
                   ("engine", "engine"), ("restore", "restore"), ("setup", "setup"), ("first batch", "first_batch"),
                   ("first step", "first_step_time"))
