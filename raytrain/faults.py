@@ -76,13 +76,13 @@ def _fire(sig: str, event: dict, fired: str) -> None:
         if sig == "REMOVE_NODE":
             time.sleep(300)
             return
-        # Ray relays a drain to the workers within its poll interval (5 s): this step lasts long enough for
-        # the notice to arrive during the run, as on a real cluster.
+        # Ray relays a drain to the workers within its poll interval (5 s by default): this step lasts long enough
+        # for the notice to arrive during the run, as on a real cluster.
         for _ in range(600):
             if os.path.exists(fired + ".ack"):
                 break
             time.sleep(0.1)
-        time.sleep(8)
+        time.sleep(float(os.environ.get("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", "5")) + 3)
     elif sig == "STALL":
         time.sleep(event.get("seconds", 60))  # a hung rank: its peers wait in the next collective
     else:

@@ -46,19 +46,19 @@ def shorten_placement_group_cleaner(callbacks: list, stop_timeout_s: float) -> N
             cb._stop_timeout = stop_timeout_s
 
 
-def pin_preemption_watcher_to_head(callbacks: list) -> list:
-    """Ray's drain watcher, started on the head node without restarts instead of anywhere with max_restarts=-1.
+def watch_drains_in_controller(callbacks: list) -> list:
+    """Ray's drain watcher, run as a thread of the Train controller instead of an actor with max_restarts=-1.
 
-    Ray 2.60's controller adds a PreemptionCallback that passes the workers' actor handles to the watcher's
-    constructor; handles go through the object store, and with max_restarts > 0 Ray Core prints an error-level
-    line on every run (ray-project/ray#53727). The head node is the cluster's on-demand node: a watcher there
-    has no node to lose (when the head goes, the run goes), so it needs no restarts and no line is printed.
-    Ray's own is turned off through its switch, which the trainer propagates to the controller; a user who
-    set that switch keeps Ray's behaviour.
+    Ray 2.60's controller adds a PreemptionCallback that starts a watcher actor on every worker group start and
+    passes it the workers' actor handles; handles go through the object store, and with max_restarts > 0 Ray
+    Core prints an error-level line on every run (ray-project/ray#53727). The watcher's poll loop already runs
+    on a thread of its own, so here it runs inside the controller's process: no line, and no new process (1-2 s
+    of imports on these machines) in front of every restart. The controller runs where the driver does, which
+    a drain of a worker node does not touch. Ray's own is turned off through its switch, which the trainer
+    propagates to the controller; a user who set that switch keeps Ray's behaviour.
     """
     import os
 
-    import ray
     from ray.train.v2._internal.callbacks.preemption_callback import PreemptionCallback
     from ray.train.v2._internal.constants import ENABLE_PREEMPTION_WATCHER_ENV_VAR
     from ray.train.v2._internal.execution.preemption import PreemptionWatcher
@@ -71,7 +71,7 @@ def pin_preemption_watcher_to_head(callbacks: list) -> list:
         os.environ[ENABLE_PREEMPTION_WATCHER_ENV_VAR] = "0"
         _WATCHER_SWITCHED_OFF.append(True)
 
-    class HeadPreemptionCallback(PreemptionCallback):
+    class ControllerPreemptionCallback(PreemptionCallback):
         def after_worker_group_start(self, worker_group) -> None:
             self._stop_watcher()  # a previous group's watcher, as Ray's own callback does
             node_to_ranks: dict = {}
@@ -80,12 +80,17 @@ def pin_preemption_watcher_to_head(callbacks: list) -> list:
                 rank = w.distributed_context.world_rank
                 node_to_ranks.setdefault(w.metadata.node_id, []).append(rank)
                 actors[rank] = w.actor
-            watcher = ray.remote(num_cpus=0, max_restarts=0, resources={"node:__internal_head__": 0.001})(
-                PreemptionWatcher)
-            self._watcher = watcher.remote(node_to_ranks=node_to_ranks, poll_interval_s=self._poll_interval_s,
-                                           worker_actors_by_rank=actors)
+            # In the controller's own process (its poll loop is a daemon thread): no actor process to start on
+            # every worker group start and restart, and no handles passed through the object store.
+            self._watcher = PreemptionWatcher(node_to_ranks=node_to_ranks, poll_interval_s=self._poll_interval_s,
+                                              worker_actors_by_rank=actors)
 
-    return [*callbacks, HeadPreemptionCallback()]
+        def _stop_watcher(self) -> None:
+            watcher, self._watcher = self._watcher, None
+            if watcher is not None:
+                watcher._stop_event.set()  # its thread ends at its next wake-up
+
+    return [*callbacks, ControllerPreemptionCallback()]
 
 
 _WATCHER_SWITCHED_OFF: list = []  # set once this process turned Ray's own watcher off (the user had not)

@@ -193,17 +193,18 @@ def _trainer_class():
 
     Ray's PlacementGroupCleaner exits from inside its own `stop()` call, so the controller always
     waits out the full stop timeout (12 s) at the end of every run: waiting 2 s changes nothing else.
-    Its preemption watcher gets an error-level line printed on every run: it is started on the head node.
+    Its preemption watcher, an actor started on every worker group start, got an error-level line printed on every
+    run: it runs as a thread of the controller instead.
     """
     from ray.train.torch import TorchTrainer
 
-    from raytrain.ray_internals import pin_preemption_watcher_to_head, shorten_placement_group_cleaner
+    from raytrain.ray_internals import watch_drains_in_controller, shorten_placement_group_cleaner
 
     class _TorchTrainer(TorchTrainer):
         def _create_default_callbacks(self):
             callbacks = super()._create_default_callbacks()
             shorten_placement_group_cleaner(callbacks, 2.0)
-            return pin_preemption_watcher_to_head(callbacks)
+            return watch_drains_in_controller(callbacks)
 
     return _TorchTrainer
 

@@ -28,9 +28,9 @@ source "$VENV/bin/activate"
 
 stamp="$VENV/.raytrain-installed${EXTRAS:+-$EXTRAS}"
 want="$(sha256sum "$ROOT/pyproject.toml" | cut -d' ' -f1)"
-# The test extra holds every other extra (tests/test_structure.py checks it): after ./scripts/test.sh an extra's
-# script (finetune.sh: lora) needs no second pip run.
-if [ -n "$EXTRAS" ] && [ "$(cat "$VENV/.raytrain-installed-test" 2>/dev/null)" = "$want" ]; then
+# The test extra holds every other extra (tests/test_structure.py checks it): after ./scripts/test.sh neither
+# demo.sh (no extra) nor an extra's script (finetune.sh: lora) needs a second pip run.
+if [ "$(cat "$VENV/.raytrain-installed-test" 2>/dev/null)" = "$want" ]; then
   stamp="$VENV/.raytrain-installed-test"
 fi
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then

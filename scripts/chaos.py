@@ -204,6 +204,9 @@ def main(argv=None) -> int:
     # Before Ray is imported, which reads them. Ray's token authentication (pitfalls #2): the nodes
     # and this driver must agree on the mode.
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
+    # Drains polled every second (Ray Train's default: 5 s), so a drill's drain costs seconds less; Ray passes it on
+    # to the controller and the workers.
+    os.environ.setdefault("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", "1")
     from raytrain.ray_auth import ensure_token
 
     ensure_token()  # its `ray start` nodes refuse to start without a token

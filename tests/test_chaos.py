@@ -33,7 +33,7 @@ def test_kills_a_lost_node_and_a_drain_train_on_the_same_samples_with_the_same_l
     run.max_failures=3 is exactly the kills and the lost node: the run finishes only if the drain's restart is
     charged to the preemption budget."""
     res = _drill(tmp_path, "--data", str(tiny_data), "--storage", "s3://raytrain-test/chaos", "--steps", "18",
-                 "--every", "4", "--kills", "2", "--remove-node-at", "9", "--drain-at", "14", "--drain-deadline", "20",
+                 "--every", "4", "--kills", "2", "--remove-node-at", "9", "--drain-at", "14", "--drain-deadline", "12",
                  "--seed", "3", "--baseline", *TINY, "run.max_failures=3", "run.max_preemptions=1")
     kinds = [e["signal"] for e in res["events"]]
     assert kinds.count("SIGKILL") == 2 and kinds.count("REMOVE_NODE") == 1 and kinds.count("DRAIN_NODE") == 1
@@ -61,8 +61,8 @@ def test_every_run_in_a_process_gets_a_drain_watcher(monkeypatch):
     monkeypatch.delenv(SWITCH, raising=False)
     monkeypatch.setattr(ray_internals, "_WATCHER_SWITCHED_OFF", [])
     for _ in range(3):
-        names = [type(c).__name__ for c in ray_internals.pin_preemption_watcher_to_head([])]
-        assert names == ["HeadPreemptionCallback"] and os.environ[SWITCH] == "0"
+        names = [type(c).__name__ for c in ray_internals.watch_drains_in_controller([])]
+        assert names == ["ControllerPreemptionCallback"] and os.environ[SWITCH] == "0"
     monkeypatch.setattr(ray_internals, "_WATCHER_SWITCHED_OFF", [])
     monkeypatch.setenv(SWITCH, "1")
-    assert ray_internals.pin_preemption_watcher_to_head([]) == []
+    assert ray_internals.watch_drains_in_controller([]) == []
