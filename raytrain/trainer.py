@@ -269,6 +269,7 @@ def train(cfg: Config, log: Callable[[str], None] = print, inject: Optional[dict
                                          max_preemption_failures=cfg.run.max_preemptions),
             callbacks=[*(callbacks or ()), make_clock(cfg.run_uri)],  # a restart's phases, for attempts.jsonl
             logging_config=LoggingConfig(log_level="WARNING"),  # worker-group start/stop lines: Ray's logs only
+            worker_runtime_env={"env_vars": worker_env()},
         ),
     )
     _fit(trainer, cfg)
@@ -276,6 +277,20 @@ def train(cfg: Config, log: Callable[[str], None] = print, inject: Optional[dict
     if summary is None:
         raise RuntimeError(f"training finished but wrote no summary.json under {cfg.run_uri}")
     return summary
+
+
+# glibc keeps freed heap memory for reuse, and its mmap threshold rises with every large block freed, so the full-size
+# tensors of a ZeRO-3 model's build and first steps stay in each worker's RSS after they were partitioned: peak RSS
+# per worker above a 1-layer model's is 1 / 0.73 / 0.49 at 1 / 2 / 4 workers instead of 1 / 0.5 / 0.25. With
+# MALLOC_MMAP_THRESHOLD_=65536 it is 1 / 0.52 / 0.31, but CPU steps run at 0.6x (docs/BENCHMARKS.md), so it is not a
+# default: set in the driver's environment (where host memory is what limits a run), it reaches the workers too,
+# which otherwise inherit the environment of the `ray start` that started their node.
+PROPAGATED_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_ARENA_MAX")
+
+
+def worker_env() -> dict:
+    """Environment variables of the training worker processes (set by Ray before they start)."""
+    return {k: os.environ[k] for k in PROPAGATED_ENV if k in os.environ}
 
 
 def _fit(trainer, cfg: Config) -> None:

@@ -93,3 +93,15 @@ def test_retired_key_in_a_file_loads_with_a_warning_but_not_as_an_override(tmp_p
     assert "'data.shuffle_window' is no longer used" in err and "'checkpoint.preemption_check_s'" in err
     with pytest.raises(UserError, match="'data.prefetch_batches' is no longer used: .*leave it out"):
         load_config("tiny", ["data.prefetch_batches=4"])
+
+
+def test_allocator_settings_of_the_driver_reach_the_training_workers(monkeypatch):
+    """MALLOC_MMAP_THRESHOLD_ (ZeRO-3 peak host memory per worker falls as 1/N with it) set where the run is
+    submitted goes into the workers' runtime env; nothing is set when the user set nothing."""
+    from raytrain.trainer import PROPAGATED_ENV, worker_env
+
+    for k in PROPAGATED_ENV:
+        monkeypatch.delenv(k, raising=False)
+    assert worker_env() == {}
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    assert worker_env() == {"MALLOC_MMAP_THRESHOLD_": "65536"}
