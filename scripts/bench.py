@@ -12,7 +12,8 @@ Parts (see scripts/benchkit/parts.py):
               read amplification, rows and bytes read per worker, data wait (the runs' own counters)
   trackers    step time with W&B (offline) + MLflow (local server) vs without; the loop's pause to hand a checkpoint
               to a downstream (lm-eval) evaluation task
-  memory      peak host RSS per worker of a ~322M ZeRO-3 model at 1, 2 and 4 workers vs 1 worker (not in the default set)
+  memory      peak host RSS per worker of a ~322M ZeRO-3 model at 1, 2 and 4 workers vs 1 worker, and (8b) the largest
+              training worker through whole runs of a 57M model (not in the default set)
   serve       `raytrain serve` over HTTP (the demo-sized model): P50 / P99 latency and requests/s at concurrency 1
               and 8, cold and warm apart, vs a plain transformers generate loop in one process
 
@@ -208,6 +209,10 @@ def main(argv: list[str] | None = None) -> dict:
             from benchkit.memory import memory
 
             section("8. memory: peak host RSS per worker, ZeRO-3, 1 / 2 / 4 workers", memory)
+            from benchkit.memory import whole_run
+
+            section("8b. memory: the largest training worker's peak RSS through whole ZeRO-3 runs, 1 / 2 / 4 workers",
+                    lambda: whole_run(tmp))
         if "serve" in parts:
             from benchkit.serving import serve
 

@@ -147,3 +147,70 @@ def memory(log: Callable = print, workers: tuple[int, ...] = (1, 2, 4), pythonpa
                        "states divided among N", b / 2**20, bytes_per_param=b / params, params=params,
                        peaks_mib={n: p / 2**20 for n, p in peaks.items()}))
     return figs
+
+
+# The issue's measure (issue 27): whole `train()` runs of a ~57M Llama, the largest RayTrainWorker process's RSS
+# sampled every 0.2 s from start-up to the final checkpoint, minus the same run with 1 layer.
+WHOLE_RUN = ["model.family=llama", "model.hidden_size=768", "model.n_head=12", "model.seq_len=32",
+             "batch.micro_batch_size=1", "batch.gradient_accumulation_steps=1", "deepspeed.zero_stage=3",
+             "run.max_steps=3", "run.eval_every=0", "data.val=null", "checkpoint.memory=false",
+             "checkpoint.every_n_steps=1000",
+             "deepspeed.extra={zero_optimization: {reduce_bucket_size: 1000000, stage3_prefetch_bucket_size: 1000000, "
+             "stage3_max_live_parameters: 1000000, allgather_bucket_size: 1000000}}"]
+
+
+def _sample_workers(stop, peak: dict) -> None:
+    import psutil
+
+    while not stop.is_set():
+        for p in psutil.process_iter(["cmdline"]):
+            try:
+                if "RayTrainWorker" in " ".join(p.info["cmdline"] or []):
+                    peak[p.pid] = max(peak.get(p.pid, 0), p.memory_info().rss)
+            except psutil.Error:
+                pass
+        time.sleep(0.2)
+
+
+def whole_run(tmp: str, log: Callable = print, workers: tuple[int, ...] = (1, 2, 4)) -> list[dict]:
+    """Peak RSS of the largest training worker through whole ZeRO-3 runs (8 layers minus 1 layer) at 1 / 2 / 4
+    workers, with the environment this bench runs in (set MALLOC_MMAP_THRESHOLD_=65536 to see its effect)."""
+    import threading
+
+    import ray
+
+    from benchkit.parts import figure, prepare_data
+    from raytrain.config import load_config
+    from raytrain.trainer import train
+
+    data = prepare_data(os.path.join(tmp, "rss-data"), 300_000, seq_len=32)
+    if not ray.is_initialized():
+        from raytrain.ray_auth import ensure_token
+
+        ensure_token()
+        ray.init(address="local", num_cpus=6, include_dashboard=False, log_to_driver=False)
+    peaks = {}
+    for layers in (8, 1):
+        for n in workers:
+            cfg = load_config("tiny", [f"data.train={data}/train", f"checkpoint.storage={tmp}/rss-runs",
+                                       f"run.name=rss-l{layers}-n{n}", f"model.n_layer={layers}",
+                                       f"scaling.num_workers={n}", *WHOLE_RUN])
+            stop, peak = threading.Event(), {}
+            sampler = threading.Thread(target=_sample_workers, args=(stop, peak), daemon=True)
+            sampler.start()
+            try:
+                train(cfg, log=lambda *_: None)
+            finally:
+                stop.set()
+                sampler.join()
+            peaks[(layers, n)] = max(peak.values())
+            log(f"  {layers} layer(s), {n} worker(s): largest worker's peak RSS {peaks[(layers, n)] / 2**20:,.0f} MiB")
+    above = {n: peaks[(8, n)] - peaks[(1, n)] for n in workers}
+    env = os.environ.get("MALLOC_MMAP_THRESHOLD_", "glibc default")
+    log("  above the 1-layer run: " + ", ".join(f"{n} worker(s) {above[n] / 2**20:,.0f} MiB "
+                                               f"({above[n] / above[workers[0]]:.2f}x)" for n in workers)
+        + f"; MALLOC_MMAP_THRESHOLD_={env}")
+    return [figure("8b memory", f"whole-run peak RSS of the largest worker above a 1-layer run, {n} workers, "
+                   f"ZeRO-3 57M (MALLOC_MMAP_THRESHOLD_={env})", above[n] / 2**20, "MiB", "1 worker",
+                   above[workers[0]] / 2**20, target=f"<= {t}x 1 worker", met=above[n] <= t * above[workers[0]])
+            for n, t in ((2, 0.6), (4, 0.33)) if n in above]
