@@ -152,9 +152,7 @@ def memory(log: Callable = print, workers: tuple[int, ...] = (1, 2, 4), pythonpa
 # The issue's measure (issue 27): whole `train()` runs of a ~57M Llama, the largest RayTrainWorker process's RSS
 # sampled every 0.2 s from start-up to the final checkpoint, minus the same run with 1 layer.
 WHOLE_RUN = ["model.family=llama", "model.hidden_size=768", "model.n_head=12", "model.seq_len=32",
-             "batch.micro_batch_size=1", "batch.gradient_accumulation_steps=1", "deepspeed.zero_stage=3",
-             "run.max_steps=3", "run.eval_every=0", "data.val=null", "checkpoint.memory=false",
-             "checkpoint.every_n_steps=1000",
+             "batch.micro_batch_size=1", "deepspeed.zero_stage=3", "checkpoint.memory=false",
              "deepspeed.extra={zero_optimization: {reduce_bucket_size: 1000000, stage3_prefetch_bucket_size: 1000000, "
              "stage3_max_live_parameters: 1000000, allgather_bucket_size: 1000000}}"]
 
@@ -179,8 +177,7 @@ def whole_run(tmp: str, log: Callable = print, workers: tuple[int, ...] = (1, 2,
 
     import ray
 
-    from benchkit.parts import figure, prepare_data
-    from raytrain.config import load_config
+    from benchkit.parts import figure, prepare_data, train_cfg
     from raytrain.trainer import train
 
     data = prepare_data(os.path.join(tmp, "rss-data"), 300_000, seq_len=32)
@@ -192,9 +189,8 @@ def whole_run(tmp: str, log: Callable = print, workers: tuple[int, ...] = (1, 2,
     peaks = {}
     for layers in (8, 1):
         for n in workers:
-            cfg = load_config("tiny", [f"data.train={data}/train", f"checkpoint.storage={tmp}/rss-runs",
-                                       f"run.name=rss-l{layers}-n{n}", f"model.n_layer={layers}",
-                                       f"scaling.num_workers={n}", *WHOLE_RUN])
+            cfg = train_cfg(data, f"{tmp}/rss-runs", f"rss-l{layers}-n{n}", n, 3, 1, f"model.n_layer={layers}",
+                            *WHOLE_RUN)
             stop, peak = threading.Event(), {}
             sampler = threading.Thread(target=_sample_workers, args=(stop, peak), daemon=True)
             sampler.start()
