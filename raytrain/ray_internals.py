@@ -46,6 +46,19 @@ def shorten_placement_group_cleaner(callbacks: list, stop_timeout_s: float) -> N
             cb._stop_timeout = stop_timeout_s
 
 
+def drop_unused_datasets_callback(callbacks: list, datasets: Optional[dict]) -> list:
+    """Ray's DatasetsCallback without Ray Datasets to shard: left out.
+
+    Ray 2.60 adds it to every trainer, and on every worker group start (each restart too) it creates a
+    DatasetManager actor: a new process that imports ray.train and Ray Data (2-4 CPU-s on these machines),
+    there only to hand out shards of the trainer's `datasets`. raytrain's workers read their shards themselves
+    (raytrain/worker/data_plane.py) and pass none, so the process only competed with the new workers for CPU.
+    """
+    if datasets:
+        return callbacks
+    return [cb for cb in callbacks if type(cb).__name__ != "DatasetsCallback"]
+
+
 def watch_drains_in_controller(callbacks: list) -> list:
     """Ray's drain watcher, run as a thread of the Train controller instead of an actor with max_restarts=-1.
 

@@ -66,3 +66,20 @@ def test_every_run_in_a_process_gets_a_drain_watcher(monkeypatch):
     monkeypatch.setattr(ray_internals, "_WATCHER_SWITCHED_OFF", [])
     monkeypatch.setenv(SWITCH, "1")
     assert ray_internals.watch_drains_in_controller([]) == []
+
+
+def test_no_dataset_manager_process_on_group_starts_without_ray_datasets():
+    """Ray adds a DatasetsCallback to every trainer, which starts a DatasetManager actor (a process importing Ray
+    Data) on every worker group start and restart; raytrain passes no Ray Datasets, so its trainer leaves it out.
+    A trainer given datasets keeps it."""
+    from ray.train import ScalingConfig
+
+    from raytrain.trainer import _trainer_class
+
+    def names(**kw):
+        trainer = _trainer_class()(lambda: None, scaling_config=ScalingConfig(num_workers=1), **kw)
+        return [type(c).__name__ for c in trainer._create_default_callbacks()]
+
+    plain = names()
+    assert "DatasetsCallback" not in plain and "BackendSetupCallback" in plain
+    assert "DatasetsCallback" in names(datasets={"train": lambda: None})
