@@ -194,7 +194,8 @@ def _trainer_class():
     Ray's PlacementGroupCleaner exits from inside its own `stop()` call, so the controller always
     waits out the full stop timeout (12 s) at the end of every run: waiting 2 s changes nothing else.
     Its preemption watcher, an actor started on every worker group start, got an error-level line printed on every
-    run: it runs as a thread of the controller instead.
+    run: it runs as a thread of the controller instead. Its DatasetsCallback starts a DatasetManager actor on every
+    worker group start though raytrain passes no Ray Datasets: left out.
     """
     from ray.train.torch import TorchTrainer
 
