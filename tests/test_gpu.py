@@ -12,6 +12,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -101,6 +105,36 @@ def test_batches_reach_the_device_through_pinned_memory():
         torch.cuda.synchronize()  # a non-blocking copy must have landed before it is compared
         assert x.device == dev and x.dtype == torch.int64
         assert torch.equal(x.cpu(), torch.from_numpy(rows))
+
+
+def test_a_snapshot_copied_from_the_gpu_commits_only_when_finished_and_loads_back_exactly():
+    """The GPU path of the memory tier: pinned shared memory, a side stream, checksums computed on the GPU that
+    the CPU's reader recomputes alike; the generation reads as invalid until the copy is committed. The file is in
+    /dev/shm, as the node actor's are: CUDA may refuse to page-lock a mapping of a disk file (it did on the H200
+    machine for pytest's tmp_path), and the copy is then correct but staged."""
+    from raytrain.ckpt import snapshot
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    state = {"m": torch.randn(1_000_003, device=dev), "odd": torch.randn(8, device=dev, dtype=torch.bfloat16)[1:],
+             "ids": torch.arange(5), "rng": torch.cuda.get_rng_state(), "step": 3, "empty": torch.empty(0, device=dev)}
+    skeleton, tensors = snapshot.dump_skeleton(state)
+    path = Path(tempfile.mkdtemp(dir="/dev/shm")) / "gen"
+    with open(path, "ab") as f:
+        f.truncate(snapshot.size_needed(skeleton, tensors))
+    mapping = snapshot.Mapping(str(path))
+    if not mapping.pinned:
+        warnings.warn("cudaHostRegister refused a /dev/shm mapping: GPU snapshots are staged, not direct")
+    pending = snapshot.write_from_gpu(mapping, {"step": 3, "world": 1, "rank": 0}, skeleton, tensors,
+                                      torch.cuda.Stream(device=dev))
+    assert snapshot.read_header(str(path)) is None  # not committed until finish
+    header = pending.finish()
+    assert snapshot.read_header(str(path)) == header and snapshot.verify(str(path), header)
+    snap = snapshot.load(str(path), header)
+    assert snap.state["step"] == 3 and snap.state["empty"].numel() == 0
+    for key in ("m", "odd", "ids", "rng"):
+        assert torch.equal(snap.state[key], state[key].cpu()), key
+    mapping.close()
+    shutil.rmtree(path.parent)
 
 
 def test_one_gpu_bf16_run_loss_falls_and_logs_mfu_and_memory(falls):

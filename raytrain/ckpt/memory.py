@@ -101,6 +101,10 @@ class MemoryTier:
         self._sizes: dict[int, int] = {}  # bytes of each generation's file this rank has asked for
         self.actor = None  # this node's NodeMemory: looked up at start-up, created (not waited for) when missing
         self._said = False
+        self._pending = None  # (PendingWrite, its tensors, path, step) of a GPU copy in flight
+        self._launch_s = 0.0
+        self._stream = None  # the CUDA side stream of the copies
+        self._maps: dict[int, snapshot.Mapping] = {}  # GPU runs: each generation mapped once, pinned
 
     def holdings(self) -> dict:
         """What this node's actor holds of the run for this world size, every rank's (headers only): this rank's
@@ -158,9 +162,12 @@ class MemoryTier:
     def snapshot(self, engine, state: TrainState, *, committed: Optional[int] = None, force: bool = False,
                  run_records: Optional[dict] = None) -> None:
         """Copy this rank's state into the older generation when due (every memory_every_n_steps, and at every
-        storage checkpoint, before it is saved: memory is then never older than a committed checkpoint)."""
+        storage checkpoint, before it is saved: memory is then never older than a committed checkpoint). From a
+        GPU the copy runs on a side stream while the next step computes; `settle` commits it before the optimizer
+        step changes its sources."""
         if not self.enabled or not (force or state.step % self.c.memory_every_n_steps == 0):
             return
+        self.settle()
         t0 = time.perf_counter()
         kind = engine_kind(engine)
         if kind is None:
@@ -172,13 +179,46 @@ class MemoryTier:
         # samples: the data position tells timelines apart (a rollback skips a window; its old snapshots differ).
         meta = {"format": FORMAT, "step": state.step, "world": self.world, "rank": self.rank, "committed": committed,
                 "samples": state.samples_seen, "time": round(time.time(), 3)}
-        snapshot.write(path, meta, skeleton, tensors)
+        if any(t.is_cuda for t in tensors):
+            self._pending = (snapshot.write_from_gpu(self._mapping(self._gen, path), meta, skeleton, tensors,
+                                                     self._side_stream(tensors)), tensors, path, state.step)
+        else:
+            snapshot.write(path, meta, skeleton, tensors)
+            self._replicate(path, state.step)
         self._gen = 1 - self._gen
-        self.last_stall_s = time.perf_counter() - t0
+        self.last_stall_s = self._launch_s = time.perf_counter() - t0
+        if force:
+            self.settle()
+
+    def settle(self) -> None:
+        """Commit the snapshot whose copy from the GPU is in flight (waiting for the copy if it has not landed):
+        called before the optimizer step changes what it copies. The wait is added to the snapshot's stall."""
+        if self._pending is None:
+            return
+        t0 = time.perf_counter()
+        pending, _tensors, path, step = self._pending  # the tensors are held until the copy has read them
+        self._pending = None
+        pending.finish()
+        self.last_stall_s = self._launch_s + time.perf_counter() - t0
+        self._replicate(path, step)
+
+    def _replicate(self, path: str, step: int) -> None:
         k = self.c.memory_peer_every_n_steps
-        if k and state.step % k == 0:
+        if k and step % k == 0:
             # Not waited for: the actor drops it while this rank's previous copy is still on its way.
             self.actor.replicate.remote(self.rank, path)
+
+    def _side_stream(self, tensors: list):
+        import torch
+
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=next(t.device for t in tensors if t.is_cuda))
+        return self._stream
+
+    def _mapping(self, gen: int, path: str) -> snapshot.Mapping:
+        if gen not in self._maps:
+            self._maps[gen] = snapshot.Mapping(path)
+        return self._maps[gen]
 
     def invalidate(self, *, everywhere: bool = False) -> None:
         """This rank's snapshots end their timeline (a rollback, or a start that did not restore from them);
@@ -186,6 +226,9 @@ class MemoryTier:
         nodes they no longer run on and the peer copies, which the agreement would otherwise still offer."""
         if not self.enabled:
             return
+        if self._pending is not None:  # a copy in flight belongs to the ending timeline: never committed
+            self._pending[0].done.synchronize()
+            self._pending = None
         for path in self._paths.values():
             snapshot.invalidate(path)
         self._gen = 0
@@ -214,6 +257,8 @@ class MemoryTier:
             return self._paths[gen]
         want = int(nbytes * 1.02) + 2**20  # headroom: the pickled counters and RNG state vary a little in size
         path = ray.get(self.actor.segment.remote(self.rank, gen, want))
+        if gen in self._maps:  # the file grew: map it again
+            self._maps.pop(gen).close()
         if path is None:
             self._off(f"{want / 2**20:,.1f} MiB more would exceed checkpoint.memory_budget_gb="
                       f"{self.c.memory_budget_gb:g} or the free space of {self.c.memory_dir}")

@@ -319,6 +319,8 @@ class WorkerRun:
                 aux = moe_aux_loss(engine.module)
                 engine.backward(loss if aux is None else loss + cfg.model.moe_aux_loss_coef * aux)
             with timer("optimizer"):
+                if a == acc - 1:
+                    self.memory.settle()  # the last snapshot's copy from the GPU has landed before its sources change
                 engine.step()  # DeepSpeed only updates at the accumulation boundary
             loss_sum += loss.detach().float()
             aux_sum += aux.detach().float() if aux is not None else 0.0

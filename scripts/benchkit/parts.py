@@ -484,10 +484,9 @@ def gpu(tmp: str, quick: bool, log: Callable = print) -> list[dict]:
     data = prepare_data(os.path.join(tmp, "data-seq1024"), 3_000_000, seq_len=1024)
     figs = []
     for name, shape in GPU_MODELS.items():
-        cfg = train_cfg(data, f"{tmp}/runs", f"gpu-{name}", 1, steps, 10, *shape, "scaling.use_gpu=true",
-                        "model.seq_len=1024",
-                        "precision.dtype=bf16", "model.attn_implementation=sdpa", "deepspeed.zero_stage=1",
-                        "scaling.cpus_per_worker=4")
+        common = (*shape, "scaling.use_gpu=true", "model.seq_len=1024", "precision.dtype=bf16",
+                  "model.attn_implementation=sdpa", "deepspeed.zero_stage=1", "scaling.cpus_per_worker=4")
+        cfg = train_cfg(data, f"{tmp}/runs", f"gpu-{name}", 1, steps, 10, *common)
         n = param_count(build_model(cfg.model, cfg.model.vocab_size, 0))
         fpt = flops_per_token(n, cfg.model)
         peak = peak_tflops(cfg, torch.cuda.get_device_name()) * 1e12
@@ -496,14 +495,23 @@ def gpu(tmp: str, quick: bool, log: Callable = print) -> list[dict]:
             base = pool.apply(_gpu_baseline, (cfg.to_dict(), cfg.model.vocab_size, steps))
         train(cfg, log=_quiet)
         rt = steady([r["tokens_per_s"] for r in metrics(cfg.run_uri) if "tokens_per_s" in r])
+        stalls = [r["snapshot_stall_s"] for r in metrics(cfg.run_uri) if "snapshot_stall_s" in r]
+        off = train_cfg(data, f"{tmp}/runs", f"gpu-{name}-nosnap", 1, steps, 10, *common, "checkpoint.memory=false")
+        train(off, log=_quiet)
+        rt_off = steady([r["tokens_per_s"] for r in metrics(off.run_uri) if "tokens_per_s" in r])
         mfu, base_mfu = fpt * rt / peak, fpt * base / peak
         target = 0.45 if name == "gpt2-124m" else 0.50
         log(f"  {name} ({n / 1e6:.0f}M params): raytrain MFU {mfu:.1%} ({rt:,.0f} tokens/s) | plain DeepSpeed "
             f"MFU {base_mfu:.1%} ({base:,.0f} tokens/s) | ratio {mfu / base_mfu:.3f}")
+        log(f"    memory snapshots every step vs none: {rt:,.0f} / {rt_off:,.0f} tokens/s = {rt / rt_off:.3f}; "
+            f"snapshot stall median {sorted(stalls)[len(stalls) // 2] if stalls else float('nan'):.4f} s")
         figs.append(figure("5 gpu", f"MFU {name}, bf16, SDPA", mfu, "fraction of peak", "plain PyTorch + DeepSpeed",
                            base_mfu, target=f">= {target:.0%} MFU, >= 0.97 of plain",
                            met=mfu >= target and mfu / base_mfu >= 0.97, params=n, tokens_per_s=rt,
                            baseline_tokens_per_s=base, device=torch.cuda.get_device_name()))
+        figs.append(figure("5 gpu", f"tokens/s {name}, memory snapshots every step", rt, "tokens/s",
+                           "no memory snapshots", rt_off, target=">= 0.97x", met=rt / rt_off >= 0.97,
+                           snapshot_stalls_s=stalls))
     return figs
 
 
