@@ -4,6 +4,8 @@
     {"crash_at_step": N, "rank": r, "signal": "SIGKILL", "marker": path}         one event
     {"events": [{"step": N, "rank": r, "signal": ...}, ...], "marker": dir}      several
     {"nan_at_step": N, "rank": r}                                                a NaN loss on that step's batch
+    {"snapshot_ab_window": W}           no fault: memory snapshots skipped in every other window of W steps
+                                        (steps W+1..2W, 3W+1..4W, ...), the benchmark's A/B in one run
 Signals: any signal name (SIGTERM goes through the worker's real handler: a preemption checkpoint;
 SIGKILL dies on the spot), "STALL" with "seconds" (the rank hangs), "REMOVE_NODE" / "DRAIN_NODE" (carried
 out on this worker's node by scripts/chaos.py). A marker file per event makes each fire once, so the
@@ -49,6 +51,11 @@ class Faults:
         nan_step = inject.get("nan_at_step")
         # Tied to the data position, like real bad data: once that window is skipped it never comes back.
         self.nan_position = (nan_step - 1) * global_batch if nan_step and rank == inject.get("rank", 0) else None
+        self.ab_window = int(inject.get("snapshot_ab_window") or 0)
+
+    def snapshots_paused(self, step: int) -> bool:
+        """True in the windows of a snapshot A/B measurement that run without memory snapshots."""
+        return bool(self.ab_window) and ((step - 1) // self.ab_window) % 2 == 1
 
     def loss(self, position: int, loss):
         """The loss, made NaN on the batch that step `nan_at_step` of an uninterrupted run trains on."""

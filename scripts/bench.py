@@ -4,7 +4,8 @@ Parts (see scripts/benchkit/parts.py):
   overhead    raytrain tokens/s at steady state vs a plain PyTorch loop (1 worker) and plain DDP (2 workers)
   ingest      the training reader's tokens/s (PlannedReader, plan order) vs a raw pyarrow read; data wait in training
   checkpoint  save / restore MB/s to a local S3-protocol server (moto) vs raw boto3; async vs sync upload stall
-  recovery    seconds from a worker SIGKILL to the first resumed step; steps lost; tokens/s after vs before; the median of 5 kills by phase
+  recovery    seconds from a worker SIGKILL to the first resumed step; steps lost; tokens/s after vs before; the median of 5 kills by phase;
+              tokens/s with a memory snapshot every step vs none (interleaved windows of one run)
   gpu         MFU of GPT-2-124M and a ~1B Llama in bf16 vs plain PyTorch + DeepSpeed (skipped without CUDA)
   dataplane   the sample plan alone at N = 8..1024 on a synthetic 1 TB manifest: read amplification, per-worker cost;
               the same for data mixtures of 2 and 8 sources (the worst source's read amplification)
@@ -186,6 +187,8 @@ def main(argv: list[str] | None = None) -> dict:
                     lambda: P.recovery(data, tmp, args.quick))
             section("4b. recovery: 5 SIGKILLs on the demo recipe, host memory on; kill to first step, by phase",
                     lambda: P.recovery_kills(data, tmp, args.quick))
+            section("4c. recovery: tokens/s with a memory snapshot every step vs none, interleaved windows",
+                    lambda: P.snapshot_cost(data, tmp, args.quick))
         if "gpu" in parts:
             section("5. GPU MFU (bf16, SDPA) vs plain PyTorch + DeepSpeed",
                     lambda: P.gpu(tmp, args.quick))

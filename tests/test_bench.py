@@ -83,6 +83,14 @@ def test_steady_state_is_the_fastest_window_after_warm_up():
     assert P.steady([5.0]) == 5.0
 
 
+def test_snapshot_ab_windows_alternate_and_start_with_snapshots_on():
+    from raytrain.faults import Faults
+
+    ab = Faults({"snapshot_ab_window": 3}, rank=1, global_batch=8)
+    assert [s for s in range(1, 15) if ab.snapshots_paused(s)] == [4, 5, 6, 10, 11, 12]
+    assert not any(Faults(None, rank=0, global_batch=8).snapshots_paused(s) for s in range(1, 15))
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the skip path is for machines without CUDA")
 def test_script_writes_json_and_markdown_and_skips_gpu_cleanly(tmp_path, capsys):
     out = tmp_path / "bench.json"

@@ -104,7 +104,7 @@ class MemoryTier:
         self._pending = None  # (PendingWrite, its tensors, path, step) of a GPU copy in flight
         self._launch_s = 0.0
         self._stream = None  # the CUDA side stream of the copies
-        self._maps: dict[int, snapshot.Mapping] = {}  # GPU runs: each generation mapped once, pinned
+        self._maps: dict[int, snapshot.Mapping] = {}  # each generation mapped once (page-locked for GPU copies)
 
     def holdings(self) -> dict:
         """What this node's actor holds of the run for this world size, every rank's (headers only): this rank's
@@ -183,7 +183,7 @@ class MemoryTier:
             self._pending = (snapshot.write_from_gpu(self._mapping(self._gen, path), meta, skeleton, tensors,
                                                      self._side_stream(tensors)), tensors, path, state.step)
         else:
-            snapshot.write(path, meta, skeleton, tensors)
+            snapshot.write_mapped(self._mapping(self._gen, path), meta, skeleton, tensors)
             self._replicate(path, state.step)
         self._gen = 1 - self._gen
         self.last_stall_s = self._launch_s = time.perf_counter() - t0

@@ -214,4 +214,9 @@ def release_run(run_uri: str, shm_dir: str) -> int:
             os.unlink(path)
         except FileNotFoundError:
             pass
+    # ray.kill returns before the GCS has marked the actor dead: wait (briefly) until the names are free, so a
+    # run started right after, or a caller checking, never meets one of them.
+    deadline = time.monotonic() + 10
+    while names and set(run_actors(run_uri)) & set(names) and time.monotonic() < deadline:
+        time.sleep(0.1)
     return len(names)

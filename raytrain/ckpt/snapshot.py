@@ -141,25 +141,32 @@ def write(path: str, meta: dict, skeleton: bytes, tensors: list) -> dict:
     """Copy one state (pickled skeleton + tensors) into the generation file at `path` (sized by the node's actor);
     returns the header. The commit block goes last: until then the generation reads as invalid."""
     need = size_needed(skeleton, tensors)
-    with open(path, "r+b") as f:
-        if os.fstat(f.fileno()).st_size < need:
-            raise ValueError(f"snapshot file {path} holds {os.fstat(f.fileno()).st_size} bytes, {need} needed")
-        mm = mmap.mmap(f.fileno(), 0)
-    view = memoryview(mm)
+    if os.path.getsize(path) < need:
+        raise ValueError(f"snapshot file {path} holds {os.path.getsize(path)} bytes, {need} needed")
+    mapping = Mapping(path, pin=False)
+    try:
+        return write_mapped(mapping, meta, skeleton, tensors)
+    finally:
+        mapping.close()
+
+
+def write_mapped(mapping: "Mapping", meta: dict, skeleton: bytes, tensors: list) -> dict:
+    """`write` into a generation kept mapped (a rank maps each of its two once: no page faults per snapshot)."""
+    view = memoryview(mapping.mm)
     try:
         view[:len(MAGIC)] = b"\0" * len(MAGIC)
         bufs, off = _put_skeleton(view, skeleton)
         for t in tensors:
-            b = _as_bytes(t).numpy()
-            n = b.size
+            b = _as_bytes(t)
+            n = b.numel()
             off = _aligned(off)
-            view[off:off + n] = b  # one memcpy
-            bufs.append({"off": off, "n": n, "sum": checksum(b)})
+            if n:
+                mapping.buf[off:off + n].copy_(b)  # torch's copy: threaded, without the GIL
+            bufs.append({"off": off, "n": n, "sum": checksum(b.numpy())})
             off += n
-        return _commit(view, path, {**meta, "buffers": bufs, "layout": layout_of(tensors)}, off)
+        return _commit(view, mapping.path, {**meta, "buffers": bufs, "layout": layout_of(tensors)}, off)
     finally:
         view.release()
-        mm.close()
 
 
 def _put_skeleton(view, skeleton: bytes) -> tuple[list, int]:
@@ -181,10 +188,11 @@ def _commit(view, path: str, header: dict, off: int) -> dict:
 
 
 class Mapping:
-    """A generation file mapped for as long as its rank runs, its pages registered with CUDA (page-locked) so
-    that the GPU copies into them directly at full speed; unregistered and unmapped by `close`."""
+    """A generation file mapped for as long as its rank runs; with `pin` and CUDA its pages are registered with
+    CUDA (page-locked) so that the GPU copies into them directly at full speed. Unregistered and unmapped by
+    `close`."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, *, pin: bool = True):
         import torch
 
         self.path = path
@@ -192,7 +200,8 @@ class Mapping:
             self.mm = mmap.mmap(f.fileno(), 0)
         self.buf = torch.frombuffer(self.mm, dtype=torch.uint8)
         # Unpinned, a copy from the GPU stages through a driver buffer and blocks the host: correct, only slower.
-        self.pinned = int(torch.cuda.cudart().cudaHostRegister(self.buf.data_ptr(), self.buf.numel(), 0)) == 0
+        self.pinned = pin and torch.cuda.is_available() and int(
+            torch.cuda.cudart().cudaHostRegister(self.buf.data_ptr(), self.buf.numel(), 0)) == 0
 
     def close(self) -> None:
         import torch

@@ -198,9 +198,10 @@ class WorkerRun:
         # After the step's record (a restore from this snapshot resumes past it: the snapshot carries the records
         # storage does not have yet), before any storage save of this step (memory is never older than a
         # committed checkpoint).
-        self.memory.snapshot(self.engine, self.state, force=do_ckpt,
-                             run_records={**self.run_records, "log_tail": self.log.unsynced()},
-                             committed=step_of(self.writer.committed) if self.writer.committed else None)
+        if do_ckpt or not self.faults.snapshots_paused(step):
+            self.memory.snapshot(self.engine, self.state, force=do_ckpt,
+                                 run_records={**self.run_records, "log_tail": self.log.unsynced()},
+                                 committed=step_of(self.writer.committed) if self.writer.committed else None)
         if not (do_log or do_eval or do_ckpt):
             return
         if do_ckpt:
