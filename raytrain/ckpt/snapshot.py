@@ -17,13 +17,14 @@ from __future__ import annotations
 import json
 from collections import OrderedDict
 import mmap
-import numpy as np
 import os
 import pickle
 import struct
 import zlib
 from dataclasses import dataclass
 from typing import Any, Optional
+
+import numpy as np
 
 MAGIC = b"RTSNAP01"
 _BLOCK = struct.Struct("<8sQQI")  # magic, header offset, header length, header crc32
@@ -221,9 +222,6 @@ class PendingWrite:
 
     def __init__(self, mapping: Mapping, header: dict, off: int, sums, done):
         self.mapping, self.header, self.off, self.sums, self.done = mapping, header, off, sums, done
-
-    def ready(self) -> bool:
-        return self.done.query()
 
     def finish(self) -> dict:
         self.done.synchronize()
