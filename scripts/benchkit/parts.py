@@ -529,7 +529,7 @@ def gpu(tmp: str, quick: bool, log: Callable = print) -> list[dict]:
         log(f"  {name} ({n / 1e6:.0f}M params): raytrain MFU {mfu:.1%} ({rt:,.0f} tokens/s) | plain DeepSpeed "
             f"MFU {base_mfu:.1%} ({base:,.0f} tokens/s) | ratio {mfu / base_mfu:.3f}")
         log(f"    memory snapshots every step vs none: {rt:,.0f} / {rt_off:,.0f} tokens/s = {rt / rt_off:.3f}; "
-            f"snapshot stall median {sorted(stalls)[len(stalls) // 2] if stalls else float('nan'):.4f} s")
+            f"snapshot stall median {statistics.median(stalls) if stalls else float('nan'):.4f} s")
         figs.append(figure("5 gpu", f"MFU {name}, bf16, SDPA", mfu, "fraction of peak", "plain PyTorch + DeepSpeed",
                            base_mfu, target=f">= {target:.0%} MFU, >= 0.97 of plain",
                            met=mfu >= target and mfu / base_mfu >= 0.97, params=n, tokens_per_s=rt,
