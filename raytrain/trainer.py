@@ -281,12 +281,9 @@ def train(cfg: Config, log: Callable[[str], None] = print, inject: Optional[dict
     return summary
 
 
-# glibc keeps freed heap memory for reuse, and its mmap threshold rises with every large block freed, so the full-size
-# tensors of a ZeRO-3 model's build and first steps stay in each worker's RSS after they were partitioned: peak RSS
-# per worker above a 1-layer model's is 1 / 0.73 / 0.49 at 1 / 2 / 4 workers instead of 1 / 0.5 / 0.25. With
-# MALLOC_MMAP_THRESHOLD_=65536 it is 1 / 0.52 / 0.31, but CPU steps run at 0.6x (docs/BENCHMARKS.md), so it is not a
-# default: set in the driver's environment (where host memory is what limits a run), it reaches the workers too,
-# which otherwise inherit the environment of the `ray start` that started their node.
+# glibc's heap settings where the run is submitted reach the training workers, which otherwise inherit the environment
+# of the `ray start` that started their node. By default a worker hands start-up's full-size blocks back to the OS
+# (raytrain/worker/host_heap.py); a MALLOC_MMAP_THRESHOLD_ or MALLOC_TRIM_THRESHOLD_ set here replaces that.
 PROPAGATED_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_ARENA_MAX")
 
 

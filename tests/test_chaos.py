@@ -29,16 +29,17 @@ def _drill(tmp_path, *args) -> dict:
 
 
 def test_kills_a_lost_node_and_a_drain_train_on_the_same_samples_with_the_same_losses(s3_server, tiny_data, tmp_path):
-    """Two SIGKILLs, a node lost without notice and a preemption drain in one run (one cluster, one baseline).
-    run.max_failures=3 is exactly the kills and the lost node: the run finishes only if the drain's restart is
-    charged to the preemption budget."""
+    """A SIGKILL, a node lost without notice and a preemption drain in one run (one cluster, one baseline).
+    run.max_failures=2 is exactly the kill and the lost node: the run finishes only if the drain's restart is
+    charged to the preemption budget. (One kill, not two: a restart costs ~30 s of the suite here, and repeated kills
+    in one run are the recovery bench's, section 4b.)"""
     res = _drill(tmp_path, "--data", str(tiny_data), "--storage", "s3://raytrain-test/chaos", "--steps", "18",
-                 "--every", "4", "--kills", "2", "--remove-node-at", "9", "--drain-at", "14", "--drain-deadline", "12",
-                 "--seed", "3", "--baseline", *TINY, "run.max_failures=3", "run.max_preemptions=1")
+                 "--every", "4", "--kills", "1", "--remove-node-at", "9", "--drain-at", "14", "--drain-deadline", "12",
+                 "--seed", "3", "--baseline", *TINY, "run.max_failures=2", "run.max_preemptions=1")
     kinds = [e["signal"] for e in res["events"]]
-    assert kinds.count("SIGKILL") == 2 and kinds.count("REMOVE_NODE") == 1 and kinds.count("DRAIN_NODE") == 1
-    assert res["summary"]["steps"] == 18 and res["summary"]["restarts"] == 4
-    assert len(res["recovery"]) == 4 and all(r["resumed_from"] is not None for r in res["recovery"])
+    assert kinds.count("SIGKILL") == 1 and kinds.count("REMOVE_NODE") == 1 and kinds.count("DRAIN_NODE") == 1
+    assert res["summary"]["steps"] == 18 and res["summary"]["restarts"] == 3
+    assert len(res["recovery"]) == 3 and all(r["resumed_from"] is not None for r in res["recovery"])
     assert sorted(map(int, res["chaos"])) == list(range(1, 19))
     assert res["same_batches"], "a sample was skipped or repeated"
     assert res["max_loss_diff"] <= 1e-5

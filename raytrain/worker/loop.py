@@ -35,6 +35,7 @@ from raytrain.worker.comm import watch_for_run
 from raytrain.worker.data_plane import DataPlane
 from raytrain.worker.downstream import DownstreamEvals
 from raytrain.worker.evaluate import evaluator_for
+from raytrain.worker import host_heap
 from raytrain.worker.loss import StepLoss
 from raytrain.worker.interval import cadence_for, run_history
 from raytrain.worker.preemption import PreemptionNotice
@@ -58,6 +59,7 @@ class WorkerRun:
         import ray.train.torch
 
         self.t_start = time.time()
+        host_heap.start()  # start-up's full-size blocks go back to the OS when freed, until the first step is done
         cfg = self.cfg = Config.model_validate(loop_config["config"])
         train_split = Split.from_dict(loop_config["train_split"])
         val_split = Split.from_dict(loop_config["val_split"]) if loop_config.get("val_split") else None
@@ -138,6 +140,7 @@ class WorkerRun:
                 self.roll_back(bad)
                 continue
             if self.attempt.stepped():
+                host_heap.steady()
                 self._open_records()
             self.state.samples_seen += gb
             self.state.tokens_seen += gb * cfg.model.seq_len
