@@ -27,10 +27,9 @@ def demo(tmp_path_factory):
     home.mkdir()
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("RAY_", "PYTEST_")) and k not in ("VIRTUAL_ENV",)}
-    # DeepSpeed's shm op was built into the real home's cache by set-up; rebuilding it here would only add
-    # ~100 s of gcc, and has nothing to do with what this test checks (Ray's token, the output).
-    # Set-up built it under torch's default root plus a per-build folder (py311_cpu, cu128, ...); naming that
-    # folder here, since TORCH_EXTENSIONS_DIR replaces both parts.
+    # DeepSpeed's shm op was built by set-up (scripts/_env.sh: into .venv, TORCH_EXTENSIONS_DIR); rebuilding it here
+    # would only add ~100 s of gcc, and has nothing to do with what this test checks (Ray's token, the output).
+    # Run outside test.sh, set-up's build is under torch's default root plus a per-build folder (py311_cpu, ...).
     built = sorted((Path.home() / ".cache" / "torch_extensions").glob("*/deepspeed_shm_comm/*.so"))
     ext_dir = os.environ.get("TORCH_EXTENSIONS_DIR") or (str(built[0].parent.parent) if built else None)
     if ext_dir:
