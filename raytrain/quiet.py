@@ -31,10 +31,16 @@ def quiet_progress_bars() -> None:
 
 
 def quiet_deepspeed() -> None:
-    """Call before deepspeed is first imported (it imports it). With no CUDA, name the CPU accelerator ourselves,
+    """Call before deepspeed is first imported (it imports it); it also sets where DeepSpeed's built ops are cached
+    (below). With no CUDA, name the CPU accelerator ourselves,
     so DeepSpeed does not warn that it fell back to it ("Setting accelerator to CPU ..."). And keep its import
     from importing mlflow: its autotuner (never used here) does when mlflow is installed, 1.6-2 s of every
     worker's start-up on these machines (docs/BENCHMARKS.md); our MLflow tracker imports it where it is used."""
+    # Its JIT-built ops (the CPU shm allreduce, built at its first collective) cached per virtual environment, as
+    # scripts/_env.sh sets: torch's default cache is shared by every venv of one Python, and two venvs would rebuild
+    # the op in turn (45-100 s).
+    if sys.prefix != sys.base_prefix:
+        os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
     if "deepspeed" in sys.modules:
         return
     if "DS_ACCELERATOR" not in os.environ:
