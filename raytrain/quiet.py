@@ -31,9 +31,9 @@ def quiet_progress_bars() -> None:
 
 
 def quiet_deepspeed() -> None:
-    """Call before deepspeed is first imported (it imports it); it also sets where DeepSpeed's built ops are cached
-    (below). With no CUDA, name the CPU accelerator ourselves,
-    so DeepSpeed does not warn that it fell back to it ("Setting accelerator to CPU ..."). And keep its import
+    """Call before deepspeed is first imported (it imports it); also sets where its built ops are cached (below).
+    With no CUDA, name the CPU accelerator ourselves, so DeepSpeed does not warn that it fell back to it
+    ("Setting accelerator to CPU ..."). And keep its import
     from importing mlflow: its autotuner (never used here) does when mlflow is installed, 1.6-2 s of every
     worker's start-up on these machines (docs/BENCHMARKS.md); our MLflow tracker imports it where it is used."""
     # Its JIT-built ops (the CPU shm allreduce, built at its first collective) cached per virtual environment, as

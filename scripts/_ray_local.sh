@@ -18,7 +18,8 @@ PY
 )
   # Drain timeout 0: on SIGTERM `ray start --block` first drains the node for Serve's sake, and after a job it
   # waits out the whole 30 s with nothing to migrate; a script's own cluster stops at once instead.
-  RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0 ray start --head --block --port="$GCS_PORT" --dashboard-host=127.0.0.1 --dashboard-port="$DASH_PORT" \
+  RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0 ray start --head --block --port="$GCS_PORT" \
+    --dashboard-host=127.0.0.1 --dashboard-port="$DASH_PORT" \
     --dashboard-agent-listen-port="$AGENT_PORT" --dashboard-agent-grpc-port="$AGENT_GRPC" \
     --metrics-export-port="$METRICS" --runtime-env-agent-port="$RTENV" --ray-client-server-port="$CLIENT" \
     --num-cpus="$NUM_CPUS" --include-dashboard=true --disable-usage-stats >"$RAY_TMP/ray-start.log" 2>&1 &

@@ -75,7 +75,8 @@ PY
   # and kills workers at 95%, so on a shared machine one busy neighbour would kill our training
   # workers and the head's Train controller. Real nodes keep Ray's default. Drain timeout 0: `down` stops the
   # head at once, not after the 30 s SIGTERM drain that only Serve replicas on real nodes need.
-  RAYTRAIN_CLUSTER_STATE="$STATE" RAY_FAKE_CLUSTER=1 RAY_memory_monitor_refresh_ms=0 RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0 setsid nohup ray start --head --block --port="$PORT" --node-ip-address=127.0.0.1 \
+  RAYTRAIN_CLUSTER_STATE="$STATE" RAY_FAKE_CLUSTER=1 RAY_memory_monitor_refresh_ms=0 RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0 \
+    setsid nohup ray start --head --block --port="$PORT" --node-ip-address=127.0.0.1 \
     --dashboard-host=127.0.0.1 --dashboard-port="$DASH_PORT" --include-dashboard=true \
     --dashboard-agent-listen-port="$AGENT_PORT" --dashboard-agent-grpc-port="$AGENT_GRPC" \
     --metrics-export-port="$METRICS" --runtime-env-agent-port="$RTENV" --ray-client-server-port="$CLIENT" \

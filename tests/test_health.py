@@ -172,7 +172,8 @@ def test_repeated_violations_stop_the_run_with_a_report(ray_cluster, tiny_data, 
     from raytrain.trainer import train
     from tests.helpers import tiny_cfg
 
-    cfg = tiny_cfg(tiny_data, tmp_path, "stop", "run.max_steps=6", "checkpoint.every_n_steps=2", "scaling.num_workers=1",
+    cfg = tiny_cfg(tiny_data, tmp_path, "stop", "run.max_steps=6", "checkpoint.every_n_steps=2",
+                   "scaling.num_workers=1",
                    "health.max_rollbacks=0", "metrics.prometheus=false")
     with pytest.raises(UserError, match=r"stopped by the health rules: loss is nan at step 3; 0 rollbacks already"):
         train(cfg, log=lambda *_: None, inject={"nan_at_step": 3})

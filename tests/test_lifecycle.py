@@ -179,7 +179,8 @@ def test_tag_rollback_resume_continues_from_the_tagged_step(runs, tiny_data, tmp
 def test_finetune_from_export_starts_at_its_loss(runs, exported, tiny_data, tmp_path):
     src_cfg, _ = runs[2]
     fresh0, trained10 = _val(src_cfg.run_uri, 0), _val(src_cfg.run_uri, 10)
-    cfg = tiny_cfg(tiny_data, tmp_path, "ft", f"model.init_from={exported[2]}", "run.max_steps=2", "scaling.num_workers=1",
+    cfg = tiny_cfg(tiny_data, tmp_path, "ft", f"model.init_from={exported[2]}", "run.max_steps=2",
+                   "scaling.num_workers=1",
                    "optim.lr=1e-4", "checkpoint.every_n_steps=2")
     train(cfg, log=lambda *_: None)
     start = _val(cfg.run_uri, 0)

@@ -204,13 +204,15 @@ def test_training_from_webdataset_skips_a_truncated_tar_and_counts_it(both, tmp_
     _damage_after_check(d, "shard-00000.tar", 20_000)
     # One worker (the rank that meets the damage is the point, not how many share the shards: test_data_reader).
     summary = train(tiny_cfg(d, tmp_path / "runs", "wds", "data.format=webdataset", "data.on_bad_shard=skip",
-                             "scaling.num_workers=1", "run.max_steps=6", "checkpoint.every_n_steps=100", "checkpoint.save_final=false"),
+                             "scaling.num_workers=1", "run.max_steps=6", "checkpoint.every_n_steps=100",
+                             "checkpoint.save_final=false"),
                     log=lambda *_: None)
     assert summary["steps"] == 6
     rows = [json.loads(x) for x in (tmp_path / "runs" / "wds" / "metrics.jsonl").read_text().splitlines()]
     assert [r["data_skipped_shards"] for r in rows if "loss" in r][-1] == 1
     with pytest.raises(UserError, match="shard .*shard-00000.tar cannot be used"):
-        train(tiny_cfg(d, tmp_path / "runs", "wds2", "data.format=webdataset", "scaling.num_workers=1", "run.max_steps=3",
+        train(tiny_cfg(d, tmp_path / "runs", "wds2", "data.format=webdataset",
+                       "scaling.num_workers=1", "run.max_steps=3",
                        "checkpoint.save_final=false"), log=lambda *_: None)
 
 
