@@ -46,6 +46,22 @@ def shorten_placement_group_cleaner(callbacks: list, stop_timeout_s: float) -> N
             cb._stop_timeout = stop_timeout_s
 
 
+def drop_placement_group_cleaner_in_a_driver(callbacks: list) -> list:
+    """Ray's PlacementGroupCleanerCallback left out where the run's driver is a Ray driver process.
+
+    The cleaner is a detached actor that removes the run's placement groups if its Train controller dies while the
+    job lives on. Ray already removes a job's placement groups when its driver exits, and `raytrain train` exits as
+    soon as its controller is gone; so there the cleaner only costs a new process importing ray.train beside the
+    workers' start (about 2 s of every run on 2 cores) and a wait for its stop at the end. Inside a Ray actor or task
+    (a Tune trial, whose driver outlives the trials that ASHA stops) it stays.
+    """
+    import ray._private.worker as ray_worker
+
+    if ray_worker.global_worker.mode == ray_worker.WORKER_MODE:  # (a driver not yet connected is a driver too)
+        return callbacks
+    return [cb for cb in callbacks if type(cb).__name__ != "PlacementGroupCleanerCallback"]
+
+
 def drop_unused_datasets_callback(callbacks: list, datasets: Optional[dict]) -> list:
     """Ray's DatasetsCallback without Ray Datasets to shard: left out.
 
