@@ -31,31 +31,36 @@ def quiet_progress_bars() -> None:
 
 
 def quiet_deepspeed() -> None:
-    """Call before deepspeed is first imported (it imports it); also sets where its built ops are cached (below).
-    With no CUDA, name the CPU accelerator ourselves, so DeepSpeed does not warn that it fell back to it
-    ("Setting accelerator to CPU ..."). And keep its import
+    """Call before deepspeed is first imported (it imports it); also sets where its built ops are cached and
+    leaves its CPU shm op unbuilt (below). With no CUDA, name the CPU accelerator ourselves, so DeepSpeed does not
+    warn that it fell back to it ("Setting accelerator to CPU ..."). And keep its import
     from importing mlflow: its autotuner (never used here) does when mlflow is installed, 1.6-2 s of every
     worker's start-up on these machines (docs/BENCHMARKS.md); our MLflow tracker imports it where it is used."""
-    # Its JIT-built ops (the CPU shm allreduce, built at its first collective) cached per virtual environment, as
-    # scripts/_env.sh sets: torch's default cache is shared by every venv of one Python, and two venvs would rebuild
-    # the op in turn (45-100 s).
+    # Its JIT-built ops (CPU Adam for ZeRO offload) cached per virtual environment, as scripts/_env.sh sets: torch's
+    # default cache is shared by every venv of one Python, and two venvs would rebuild an op in turn (45-100 s).
     if sys.prefix != sys.base_prefix:
         os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
-    if "deepspeed" in sys.modules:
-        return
-    if "DS_ACCELERATOR" not in os.environ:
-        import torch
+    if "deepspeed" not in sys.modules:
+        if "DS_ACCELERATOR" not in os.environ:
+            import torch
 
-        if not torch.cuda.is_available():
-            os.environ["DS_ACCELERATOR"] = "cpu"
-    blocked = "mlflow" not in sys.modules
-    if blocked:
-        sys.modules["mlflow"] = None  # an ImportError for that one import; its try/except turns the feature off
-    try:
-        import deepspeed  # noqa: F401
-    finally:
+            if not torch.cuda.is_available():
+                os.environ["DS_ACCELERATOR"] = "cpu"
+        blocked = "mlflow" not in sys.modules
         if blocked:
-            del sys.modules["mlflow"]
+            sys.modules["mlflow"] = None  # an ImportError for that one import; its try/except turns the feature off
+        try:
+            import deepspeed  # noqa: F401
+        finally:
+            if blocked:
+                del sys.modules["mlflow"]
+    import deepspeed.ops
+
+    # DeepSpeed builds its CPU shared-memory allreduce op (45-100 s of gcc, once per venv) when it first sets up a
+    # process group, for one use: its inference all-reduce (tensor-parallel layers on CPU), which falls back to the
+    # gloo group without it. Training's collectives use the gloo group either way. This table of which ops can be
+    # built is read only there (deepspeed 0.19.8); filled in first, it also skips the probe of every op.
+    vars(deepspeed.ops).setdefault("__compatible_ops__", {})["deepspeed_shm_comm"] = False
 
 
 def quiet_worker() -> None:

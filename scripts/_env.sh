@@ -14,7 +14,7 @@ if [ ! -x "$VENV/bin/python" ]; then
     exit 1
   fi
 fi
-# DeepSpeed compiles a small C++ op against the Python headers at first use.
+# DeepSpeed compiles its CPU Adam op (ZeRO offload) against the Python headers at first use.
 if ! "$VENV/bin/python" -c "import os,sys,sysconfig; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h')))"; then
   echo "[setup] error: Python headers (Python.h) not found; DeepSpeed needs them (Debian/Ubuntu: apt-get install python3-dev)" >&2
   exit 1
@@ -33,9 +33,7 @@ want="$(sha256sum "$ROOT/pyproject.toml" | cut -d' ' -f1)"
 if [ "$(cat "$VENV/.raytrain-installed-test" 2>/dev/null)" = "$want" ]; then
   stamp="$VENV/.raytrain-installed-test"
 fi
-installed=0
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  installed=1
   echo "[setup] installing raytrain${EXTRAS:+[$EXTRAS]} and its pinned dependencies (first time: a few minutes)"
   # This machine's pip config names local indexes that may not exist; pip warns for each package.
   quiet() { "$@" 2>&1 | { grep -v "^WARNING: Location .* is ignored" || true; }; }
@@ -49,28 +47,15 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 
-# DeepSpeed's JIT-built ops are cached per virtual environment. Torch's default cache (~/.cache/torch_extensions/
-# py311_cpu) is shared by every venv of one Python, and a build's command names its venv's paths, so two venvs (two
-# checkouts) rebuilt the op in turn, 45-100 s each time. A folder set by the user wins.
+# DeepSpeed's JIT-built ops (CPU Adam for ZeRO offload; its shm op is never built: raytrain/quiet.py) are cached per
+# virtual environment. Torch's default cache (~/.cache/torch_extensions/py311_cpu) is shared by every venv of one
+# Python, and a build's command names its venv's paths, so two venvs (two checkouts) rebuilt an op in turn, 45-100 s
+# each time. A folder set by the user wins.
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$VENV/torch_extensions}"
 # A process killed while DeepSpeed (torch's extension loader) held its build lock leaves the lock file
 # behind, and every later DeepSpeed start then waits on it forever. No build takes minutes here, so a
 # lock older than 10 minutes is stale.
 find "$TORCH_EXTENSIONS_DIR" -name lock -mmin +10 -delete 2>/dev/null || true
-# DeepSpeed JIT-compiles its CPU shared-memory allreduce op on first use (~30-100 s, needs gcc).
-# Build it once here, after an install or when it is missing, so the first training run does not pay it (checking
-# an existing build would cost every script start the ~5 s of importing torch and DeepSpeed).
-if { [ "$installed" = 1 ] || [ ! -f "$TORCH_EXTENSIONS_DIR/deepspeed_shm_comm/deepspeed_shm_comm.so" ]; } &&
-   ! python -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
-  python - <<'PY' 2>/dev/null || echo "[setup] note: DeepSpeed's shm op did not build; it will be built (or skipped) at first use"
-import io, contextlib
-with contextlib.redirect_stdout(io.StringIO()):
-    from deepspeed.accelerator import get_accelerator
-    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-    if builder is not None:
-        builder.load(verbose=False)
-PY
-fi
 # Ray's token authentication (pitfalls #2): clients and clusters we start agree on token mode, and a
 # token exists before the first `ray start` (which refuses to start without one). Never overwritten.
 export RAY_AUTH_MODE="${RAY_AUTH_MODE:-token}"
