@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -39,8 +40,12 @@ def hf_config(cfg: ModelConfig, vocab_size: int, eot_id: Optional[int] = None):
 
 
 def build_model(cfg: ModelConfig, vocab_size: int, seed: int, eot_id: Optional[int] = None,
-                ds_config: Optional[dict] = None) -> torch.nn.Module:
+                ds_config: Optional[dict] = None, *, init: bool = True) -> torch.nn.Module:
     """Same seed -> same initial weights on every rank and every restart.
+
+    `init=False` leaves a new model's weights as allocated, for a caller that overwrites every one of them (a
+    restore): random initialisation is the slowest part of building a large model (under ZeRO-3 each layer is
+    gathered to be initialised). Buffers are computed at construction either way, and `init_from` loads its weights.
 
     With the run's DeepSpeed config (`ds_config`) no rank holds more than it trains with: under ZeRO-3 the model
     is built inside `deepspeed.zero.Init` (transformers' DeepSpeed integration), each layer partitioned across
@@ -73,8 +78,11 @@ def build_model(cfg: ModelConfig, vocab_size: int, seed: int, eot_id: Optional[i
                                                      attn_implementation=cfg.attn_implementation, **drop)
         model.config.use_cache = False
     else:
-        model = AutoModelForCausalLM.from_config(hf_config(cfg, vocab_size, eot_id), dtype=dtype,
-                                                 attn_implementation=cfg.attn_implementation)
+        from transformers.initialization import no_init_weights
+
+        with contextlib.nullcontext() if init else no_init_weights():
+            model = AutoModelForCausalLM.from_config(hf_config(cfg, vocab_size, eot_id), dtype=dtype,
+                                                     attn_implementation=cfg.attn_implementation)
     if keep is not None:
         model.raytrain_hf_ds_config = keep  # transformers' later ZeRO-3 paths (e.g. generate) need it alive too
     if cfg.activation_checkpointing:

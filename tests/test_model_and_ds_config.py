@@ -22,6 +22,22 @@ def test_models_build_deterministically_and_run(family):
     assert flops_per_token(n, cfg) > 6 * n
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama", "mixtral"])
+def test_a_model_built_for_a_restore_skips_random_init_but_not_its_buffers(family):
+    """init=False (a restore overwrites every weight): the weights are not the seed's, but every buffer (GPT-2's
+    causal mask, Llama's rotary frequencies) is, and loading the weights gives the initialised model's outputs."""
+    cfg = load_config("tiny", [f"model.family={family}", "model.n_layer=1", "model.hidden_size=32",
+                               "model.n_head=4", "model.seq_len=16"]).model
+    ref, bare = build_model(cfg, 100, seed=1), build_model(cfg, 100, seed=1, init=False)
+    assert not all(torch.equal(a, b) for a, b in zip(ref.parameters(), bare.parameters()))
+    bufs = dict(ref.named_buffers())
+    assert dict(bare.named_buffers()).keys() == bufs.keys()
+    assert all(torch.equal(b, bufs[n]) for n, b in bare.named_buffers())
+    bare.load_state_dict(ref.state_dict())
+    x = torch.randint(0, 100, (2, 16))
+    assert torch.equal(bare(input_ids=x).logits, ref(input_ids=x).logits)
+
+
 def test_ds_config_is_derived_from_ours():
     cfg = load_config("tiny", ["batch.micro_batch_size=4", "batch.gradient_accumulation_steps=3",
                                "scaling.num_workers=2", "optim.grad_clip=0.5", "deepspeed.zero_stage=3",

@@ -279,8 +279,11 @@ class WorkerRun:
         ds_config = build_ds_config(cfg, self.world, self.dtype, cuda)
         if resharding:
             ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": True}
+        # A restore overwrites every weight (not a LoRA base, which no checkpoint holds): no random init to throw away.
+        overwritten = (resumed is not None or self.from_memory is not None) and not lora.enabled(cfg.model)
         with no_stdout():
-            model = build_model(cfg.model, vocab, cfg.run.seed, train_split.eot_id, ds_config=ds_config)
+            model = build_model(cfg.model, vocab, cfg.run.seed, train_split.eot_id, ds_config=ds_config,
+                                init=not overwritten)
         n_params, n_active = param_counts(model, cfg.model)  # active per token (MoE: top-k experts): the FLOPs behind MFU
         model, self.lora_base = lora.prepare_model(model, cfg.model, seed=cfg.run.seed)  # peft when model.lora.r > 0
         self.boot["model"] = time.time()
