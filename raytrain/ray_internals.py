@@ -192,3 +192,54 @@ def kv_del(key: str) -> None:
 
     if _internal_kv_initialized():
         _internal_kv_del(key, namespace="raytrain")
+
+
+# Ray's torch backend, in the pieces raytrain.torch_backend drives from the controller (each imports torch only where
+# it runs: on a worker, or in the driver that wraps the train function).
+
+def address_and_free_port() -> tuple:
+    """(this node's IP, a free port): where Ray's torch backend puts the process group's master (run on rank 0)."""
+    from ray.train._internal.utils import get_address_and_port
+
+    return get_address_and_port()
+
+
+def set_torch_distributed_env() -> None:
+    """LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK, RANK, WORLD_SIZE and the device variables, as Ray sets them."""
+    from ray.train.torch.config import _set_torch_distributed_env_vars
+
+    _set_torch_distributed_env_vars()
+
+
+def setup_torch_process_group(**kwargs) -> None:
+    """Ray's process-group set-up on a worker (NCCL's async error handling included)."""
+    from ray.train.torch.config import _setup_torch_process_group
+
+    _setup_torch_process_group(**kwargs)
+
+
+def shutdown_torch(destroy_process_group: bool) -> None:
+    from ray.train.torch.config import _shutdown_torch
+
+    _shutdown_torch(destroy_process_group=destroy_process_group)
+
+
+def torch_shutdown_timeout_s() -> int:
+    from ray._private import ray_constants
+    from ray.train.constants import DEFAULT_TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S, TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S
+
+    return ray_constants.env_integer(TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S, DEFAULT_TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S)
+
+
+def torch_train_func_context():
+    """The context Ray's torch backend runs the train function in (the CUDA device set)."""
+    from ray.train.torch.config import TorchConfigContextManager
+
+    return TorchConfigContextManager
+
+
+def torch_framework():
+    """How Ray Train's state export names a torch run's framework."""
+    from ray.train.v2._internal.util import TrainingFramework
+
+    return TrainingFramework.TORCH

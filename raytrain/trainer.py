@@ -223,7 +223,8 @@ def train(cfg: Config, log: Callable[[str], None] = print, inject: Optional[dict
     sweep trial (raytrain.sweep): every metrics report of the workers then reaches the Tune trial.
     """
     from ray.train import FailureConfig, LoggingConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig
+
+    from raytrain.torch_backend import ProcessGroupConfig
 
     from raytrain.model import apply_init_from
     from raytrain.restart_phases import make_clock
@@ -262,7 +263,8 @@ def train(cfg: Config, log: Callable[[str], None] = print, inject: Optional[dict
                            "val_split": val_split.to_dict() if val_split else None,
                            "mixture": mixture, "val_sources": val_sources,
                            "inject": inject if inject is not None else faults.from_env()},
-        torch_config=TorchConfig(backend="nccl" if s.use_gpu else "gloo", timeout_s=s.collective_timeout_s),
+        # Ray's TorchConfig, but torch is not imported in the controller (raytrain/torch_backend.py says why).
+        torch_config=ProcessGroupConfig(backend="nccl" if s.use_gpu else "gloo", timeout_s=s.collective_timeout_s),
         scaling_config=ScalingConfig(num_workers=s.num_workers, use_gpu=s.use_gpu, resources_per_worker=resources),
         run_config=RunConfig(
             name=cfg.run.name,

@@ -104,3 +104,20 @@ def test_placement_group_cleaner_only_where_a_driver_outlives_its_runs(ray_clust
     assert "PlacementGroupCleanerCallback" not in names()
     in_a_task = ray.get(ray.remote(num_cpus=0)(names).remote())
     assert "PlacementGroupCleanerCallback" in in_a_task and "BackendSetupCallback" in in_a_task
+
+
+def test_the_controller_side_of_the_process_group_never_imports_torch():
+    """What a Train controller unpickles and calls of the run's backend config (raytrain.torch_backend): no torch
+    import (Ray's TorchConfig costs every run's controller 2.2 s of torch import before its first worker group)."""
+    import pickle
+
+    from raytrain.torch_backend import ProcessGroupBackend, ProcessGroupConfig
+
+    blob = pickle.dumps(ProcessGroupConfig(backend="gloo", timeout_s=60))
+    probe = ("import pickle, sys; cfg = pickle.loads(sys.stdin.buffer.read()); b = cfg.backend_cls(); "
+             "print(type(b).__name__, b.share_cuda_visible_devices, cfg.framework.name, cfg.to_dict()['backend'], "
+             "'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], input=blob, capture_output=True, timeout=120)
+    assert out.returncode == 0, out.stderr.decode()[-2000:]
+    assert out.stdout.decode().split() == [ProcessGroupBackend.__name__, "True", "TORCH", "gloo", "False"]
+

@@ -53,6 +53,9 @@ def _worker(rank: int, world: int, port: int, cfg_dict: dict, split_dict: dict, 
     if use_deepspeed:
         # raytrain's own DeepSpeed config, without Ray, Ray Data or raytrain's loop: splits the overhead
         # into what DeepSpeed costs and what the rest costs.
+        from raytrain.quiet import quiet_deepspeed
+
+        quiet_deepspeed()  # imported as a training worker does (no shm op built)
         import deepspeed
 
         from raytrain.ds_config import build_ds_config
@@ -124,6 +127,9 @@ def deepspeed_gpu_loop(cfg, vocab: int, steps: int, warmup: int) -> float:
     The same DeepSpeed config raytrain builds (bf16, fused Adam, ZeRO stage of the config) without Ray,
     Ray Data or raytrain's loop: the ceiling raytrain's GPU figure is judged against.
     """
+    from raytrain.quiet import quiet_deepspeed
+
+    quiet_deepspeed()  # imported as a training worker does
     import deepspeed
     import torch
     import torch.nn.functional as F

@@ -20,7 +20,10 @@ OVERRIDES = ["model.family=llama", "model.n_layer=8", "model.hidden_size=768", "
 
 WORKER = r"""
 import gc, json, sys
-import psutil, torch, deepspeed
+import psutil, torch
+from raytrain.quiet import quiet_deepspeed
+quiet_deepspeed()  # as a training worker imports it: no shm op built
+import deepspeed
 import torch.distributed as dist
 from raytrain import lora
 from raytrain.config import load_config

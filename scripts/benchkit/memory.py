@@ -30,7 +30,10 @@ MODEL = {
 # build_model takes no DeepSpeed config: the before/after comparison in docs/BENCHMARKS.md.
 WORKER = r"""
 import gc, inspect, json, os, sys
-import psutil, torch, deepspeed
+import psutil, torch
+from raytrain.quiet import quiet_deepspeed
+quiet_deepspeed()  # as a training worker imports it: no shm op built
+import deepspeed
 import torch.distributed as dist
 from raytrain.config import load_config
 from raytrain.ds_config import build_ds_config
