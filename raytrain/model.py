@@ -83,6 +83,8 @@ def build_model(cfg: ModelConfig, vocab_size: int, seed: int, eot_id: Optional[i
         with contextlib.nullcontext() if init else no_init_weights():
             model = AutoModelForCausalLM.from_config(hf_config(cfg, vocab_size, eot_id), dtype=dtype,
                                                      attn_implementation=cfg.attn_implementation)
+        if not init:
+            model.tie_weights()  # transformers' init_weights both initialises and ties; no_init_weights skips both
     if keep is not None:
         model.raytrain_hf_ds_config = keep  # transformers' later ZeRO-3 paths (e.g. generate) need it alive too
     if cfg.activation_checkpointing:

@@ -24,11 +24,14 @@ def test_models_build_deterministically_and_run(family):
 
 @pytest.mark.parametrize("family", ["gpt2", "llama", "mixtral"])
 def test_a_model_built_for_a_restore_skips_random_init_but_not_its_buffers(family):
-    """init=False (a restore overwrites every weight): the weights are not the seed's, but every buffer (GPT-2's
-    causal mask, Llama's rotary frequencies) is, and loading the weights gives the initialised model's outputs."""
+    """init=False (a restore overwrites every weight): the weights are not the seed's, but the parameters are the same
+    ones, tied as usual, every buffer (GPT-2's causal mask, Llama's rotary frequencies) is the seed's, and loading the
+    weights gives the initialised model's outputs."""
     cfg = load_config("tiny", [f"model.family={family}", "model.n_layer=1", "model.hidden_size=32",
                                "model.n_head=4", "model.seq_len=16"]).model
     ref, bare = build_model(cfg, 100, seed=1), build_model(cfg, 100, seed=1, init=False)
+    # The same parameters, tied ones included (GPT-2's output layer is its embedding: one parameter, not two).
+    assert [n for n, _ in bare.named_parameters()] == [n for n, _ in ref.named_parameters()]
     assert not all(torch.equal(a, b) for a, b in zip(ref.parameters(), bare.parameters()))
     bufs = dict(ref.named_buffers())
     assert dict(bare.named_buffers()).keys() == bufs.keys()
