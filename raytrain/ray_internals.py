@@ -125,6 +125,40 @@ def watch_drains_in_controller(callbacks: list) -> list:
 _WATCHER_SWITCHED_OFF: list = []  # set once this process turned Ray's own watcher off (the user had not)
 
 
+def scaling_policy_not_waiting_for_the_coordinator(policy):
+    """Ray's fixed-size scaling policy, with its first resource request sent without waiting for the answer.
+
+    Ray 2.60's controller registers the run's resources with an AutoscalingCoordinator, a detached actor of the
+    cluster, before it starts the first worker group, and waits up to 5 s for the reply. On a fresh cluster that
+    actor is a new process that imports Ray Data first (1.6 s on an idle machine here), all of it in front of the
+    workers' start; on a busy one the wait runs out, Ray prints a warning with a traceback into the job's output
+    and asks again, waiting once more. The request only informs the autoscaler, which also sees the worker
+    group's pending placement group; the policy sends it again (waiting then, by when the actor is up) every
+    20 s while the group runs. Elastic policies read reservations back from the coordinator: left as they are.
+    """
+    import time
+
+    from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import ResourceRequestPriority
+    from ray.train._internal.autoscaling_coordinator_client import build_train_resource_request
+    from ray.train.v2._internal.execution.scaling_policy import AUTOSCALING_REQUESTS_EXPIRE_TIME_S
+    from ray.train.v2._internal.execution.scaling_policy.fixed import FixedScalingPolicy
+
+    if type(policy) is not FixedScalingPolicy:
+        return policy
+
+    class FixedScalingPolicyNotWaiting(FixedScalingPolicy):
+        def _send_resource_request(self):
+            resources, selectors = build_train_resource_request(
+                self.scaling_config, self._get_num_workers_for_resource_request())
+            client = self._coordinator_client
+            client._autoscaling_coordinator.request_resources.remote(
+                requester_id=self._requester_id, resources=resources, label_selectors=selectors,
+                expire_after_s=AUTOSCALING_REQUESTS_EXPIRE_TIME_S, priority=ResourceRequestPriority.HIGH)
+            client._latest_autoscaling_request_time = time.monotonic()  # the next one in 20 s, as after a reply
+
+    return FixedScalingPolicyNotWaiting(scaling_config=policy.scaling_config)
+
+
 def reset_token_cache() -> None:
     """Ray's token loader caches "no token" once it has looked; forget that after a token file is created."""
     if "ray._raylet" in sys.modules:

@@ -189,7 +189,7 @@ def failure_line(err: BaseException, run_uri: str) -> Optional[str]:
 
 
 def _trainer_class():
-    """TorchTrainer with four Ray 2.60 warts removed (raytrain/ray_internals.py says why).
+    """TorchTrainer with five Ray 2.60 warts removed (raytrain/ray_internals.py says why).
 
     Ray's PlacementGroupCleaner, a process of its own per run, is left out where the driver's exit removes the
     run's placement groups anyway (`raytrain train`); where it stays (a Tune trial), it exits from inside its own
@@ -197,18 +197,24 @@ def _trainer_class():
     2 s changes nothing else.
     Its preemption watcher, an actor started on every worker group start, got an error-level line printed on every
     run: it runs as a thread of the controller instead. Its DatasetsCallback starts a DatasetManager actor on every
-    worker group start though raytrain passes no Ray Datasets: left out.
+    worker group start though raytrain passes no Ray Datasets: left out. Its controller waited for a cluster actor
+    (the AutoscalingCoordinator, a new process on a fresh cluster) before starting the first worker group: the
+    request is sent without waiting.
     """
     from ray.train.torch import TorchTrainer
 
     from raytrain.ray_internals import drop_placement_group_cleaner_in_a_driver, drop_unused_datasets_callback, \
-        shorten_placement_group_cleaner, watch_drains_in_controller
+        scaling_policy_not_waiting_for_the_coordinator, shorten_placement_group_cleaner, watch_drains_in_controller
 
     class _TorchTrainer(TorchTrainer):
         def _create_default_callbacks(self):
             callbacks = drop_placement_group_cleaner_in_a_driver(super()._create_default_callbacks())
             shorten_placement_group_cleaner(callbacks, 2.0)
             return watch_drains_in_controller(drop_unused_datasets_callback(callbacks, self.datasets))
+
+        def _initialize_and_run_controller(self, **kwargs):
+            kwargs["scaling_policy"] = scaling_policy_not_waiting_for_the_coordinator(kwargs["scaling_policy"])
+            return super()._initialize_and_run_controller(**kwargs)
 
     return _TorchTrainer
 

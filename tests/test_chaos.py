@@ -106,6 +106,37 @@ def test_placement_group_cleaner_only_where_a_driver_outlives_its_runs(ray_clust
     assert "PlacementGroupCleanerCallback" in in_a_task and "BackendSetupCallback" in in_a_task
 
 
+def test_the_first_resource_request_does_not_hold_back_the_first_worker_group(ray_cluster, monkeypatch):
+    """Ray's controller waited (up to 5 s, then printed a traceback into the job's output) for the cluster's
+    AutoscalingCoordinator, a new process on a fresh cluster, before starting the first worker group. Ours sends
+    the request without waiting; the coordinator still gets it."""
+    import types
+
+    import cloudpickle
+    import ray
+    from ray.train import ScalingConfig
+    from ray.train.v2._internal.execution.scaling_policy import ResizeDecision, create_scaling_policy
+
+    from raytrain.ray_internals import scaling_policy_not_waiting_for_the_coordinator
+
+    policy = scaling_policy_not_waiting_for_the_coordinator(create_scaling_policy(ScalingConfig(num_workers=2)))
+    policy = cloudpickle.loads(cloudpickle.dumps(policy))  # as the controller gets it
+    real_get, waits = ray.get, []
+    # Recorded, not raised: Ray's client turns any error of its wait into a warning.
+    monkeypatch.setattr(ray, "get", lambda *args, **kwargs: waits.append(kwargs.get("timeout")))
+    policy.after_controller_start(types.SimpleNamespace(run_id="first-request"))
+    decision = policy.make_decision_for_non_running_worker_group()
+    monkeypatch.setattr(ray, "get", real_get)
+    assert waits == [], "the controller waited on the coordinator before its first worker group"
+    assert isinstance(decision, ResizeDecision) and decision.num_workers == 2
+
+    coordinator = policy._autoscaling_coordinator
+    reserved = ray.get(coordinator.get_reserved_resources.remote("train-first-request", recompute=True), timeout=60)
+    assert reserved, "the coordinator never got the run's request"
+    policy.before_controller_abort()  # cancels it (the coordinator is up now: a short wait)
+    assert ray.get(coordinator.get_reserved_resources.remote("train-first-request", recompute=True)) == {}
+
+
 def test_the_controller_side_of_the_process_group_never_imports_torch():
     """What a Train controller unpickles and calls of the run's backend config (raytrain.torch_backend): no torch
     import (Ray's TorchConfig costs every run's controller 2.2 s of torch import before its first worker group)."""
