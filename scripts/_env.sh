@@ -25,6 +25,10 @@ if ! command -v gcc >/dev/null 2>&1 && ! command -v cc >/dev/null 2>&1; then
 fi
 # shellcheck disable=SC1091
 source "$VENV/bin/activate"
+# Some machines (this project's CI among them) set PYTHONDONTWRITEBYTECODE; then every process - each Ray worker,
+# controller, test - compiles from source every module that set-up's import below (or pip) did not compile, and
+# raytrain's own: about 0.2 s each for raytrain alone. Bytecode caches are .gitignored.
+unset PYTHONDONTWRITEBYTECODE
 
 stamp="$VENV/.raytrain-installed${EXTRAS:+-$EXTRAS}"
 want="$(sha256sum "$ROOT/pyproject.toml" | cut -d' ' -f1)"
@@ -40,10 +44,27 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # torch first, pinned: an unpinned resolve would pull the newest (multi-GB CUDA) build. PyPI's
   # Linux wheel of 2.13.0 is itself a CUDA build; on CPU-only machines install the CPU wheel of the
   # same version from PyTorch's CPU index into .venv before running this script to save the download.
+  # --no-compile: pip byte-compiles every module it installs (about 29,000 files with the test extra, 100 s of one
+  # core here), most of which no run imports. Python compiles a module at its first import instead, and the
+  # modules every command imports are compiled below, once, in one process (about 20 s), so that a first run's
+  # processes do not each compile them.
   if ! python -c "import torch" 2>/dev/null; then
-    quiet python -m pip install -q "torch==2.13.0"
+    quiet python -m pip install -q --no-compile "torch==2.13.0"
   fi
-  quiet python -m pip install -q -e "$ROOT${EXTRAS:+[$EXTRAS]}"
+  quiet python -m pip install -q --no-compile -e "$ROOT${EXTRAS:+[$EXTRAS]}"
+  python - <<'PY' >/dev/null 2>&1 || true
+import importlib
+from raytrain.quiet import quiet_deepspeed
+quiet_deepspeed()  # torch and DeepSpeed, as a worker imports them
+for name in ("raytrain.cli", "raytrain.trainer", "raytrain.worker.loop", "raytrain.data.prepare", "raytrain.serving.app",
+             "ray.train.torch", "ray.data", "ray.serve", "deepspeed.runtime.engine",
+             "transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama",
+             "transformers.models.mixtral.modeling_mixtral"):
+    try:
+        importlib.import_module(name)
+    except Exception:  # an extra that is not installed: its modules compile at first use
+        pass
+PY
   echo "$want" > "$stamp"
 fi
 
