@@ -140,7 +140,7 @@ class WorkerRun:
                 self.roll_back(bad)
                 continue
             if self.attempt.stepped():
-                host_heap.steady()
+                host_heap.steady(zero_stage=cfg.deepspeed.zero_stage, dp_size=self.dp_size)
                 self._open_records()
             self.state.samples_seen += gb
             self.state.tokens_seen += gb * cfg.model.seq_len
