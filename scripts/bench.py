@@ -216,6 +216,8 @@ def main(argv: list[str] | None = None) -> dict:
 
             section("8b. memory: the largest training worker's peak RSS through whole ZeRO-3 runs, 1 / 2 / 4 workers",
                     lambda: whole_run(tmp))
+            section("8c. memory: the same with host-memory snapshots on (checkpoint.memory=true)",
+                    lambda: whole_run(tmp, snapshots=True))
         if "serve" in parts:
             from benchkit.serving import serve
 

@@ -153,9 +153,9 @@ def memory(log: Callable = print, workers: tuple[int, ...] = (1, 2, 4), pythonpa
 
 
 # The issue's measure (issue 27): whole `train()` runs of a ~57M Llama, the largest RayTrainWorker process's RSS
-# sampled every 0.2 s from start-up to the final checkpoint, minus the same run with 1 layer.
+# sampled every 0.2 s from start-up to the final checkpoint, minus the same run with 1 layer (snapshots: whole_run).
 WHOLE_RUN = ["model.family=llama", "model.hidden_size=768", "model.n_head=12", "model.seq_len=32",
-             "batch.micro_batch_size=1", "deepspeed.zero_stage=3", "checkpoint.memory=false",
+             "batch.micro_batch_size=1", "deepspeed.zero_stage=3",
              "deepspeed.extra={zero_optimization: {reduce_bucket_size: 1000000, stage3_prefetch_bucket_size: 1000000, "
              "stage3_max_live_parameters: 1000000, allgather_bucket_size: 1000000}}"]
 
@@ -173,9 +173,11 @@ def _sample_workers(stop, peak: dict) -> None:
         time.sleep(0.2)
 
 
-def whole_run(tmp: str, log: Callable = print, workers: tuple[int, ...] = (1, 2, 4)) -> list[dict]:
+def whole_run(tmp: str, log: Callable = print, workers: tuple[int, ...] = (1, 2, 4), *,
+              snapshots: bool = False) -> list[dict]:
     """Peak RSS of the largest training worker through whole ZeRO-3 runs (8 layers minus 1 layer) at 1 / 2 / 4
-    workers, with the environment this bench runs in (set MALLOC_MMAP_THRESHOLD_=65536 to see its effect)."""
+    workers, host-memory snapshots off or on, with the environment this bench runs in (a MALLOC_MMAP_THRESHOLD_
+    set there replaces the workers' own heap settings)."""
     import threading
 
     import ray
@@ -192,8 +194,8 @@ def whole_run(tmp: str, log: Callable = print, workers: tuple[int, ...] = (1, 2,
     peaks = {}
     for layers in (8, 1):
         for n in workers:
-            cfg = train_cfg(data, f"{tmp}/rss-runs", f"rss-l{layers}-n{n}", n, 3, 1, f"model.n_layer={layers}",
-                            *WHOLE_RUN)
+            cfg = train_cfg(data, f"{tmp}/rss-runs", f"rss-l{layers}-n{n}-s{int(snapshots)}", n, 3, 1,
+                            f"model.n_layer={layers}", *WHOLE_RUN, f"checkpoint.memory={str(snapshots).lower()}")
             stop, peak = threading.Event(), {}
             sampler = threading.Thread(target=_sample_workers, args=(stop, peak), daemon=True)
             sampler.start()
@@ -206,10 +208,12 @@ def whole_run(tmp: str, log: Callable = print, workers: tuple[int, ...] = (1, 2,
             log(f"  {layers} layer(s), {n} worker(s): largest worker's peak RSS {peaks[(layers, n)] / 2**20:,.0f} MiB")
     above = {n: peaks[(8, n)] - peaks[(1, n)] for n in workers}
     env = os.environ.get("MALLOC_MMAP_THRESHOLD_", "glibc default")
+    what = f"snapshots {'on' if snapshots else 'off'}, MALLOC_MMAP_THRESHOLD_={env}"
     log("  above the 1-layer run: " + ", ".join(f"{n} worker(s) {above[n] / 2**20:,.0f} MiB "
                                                f"({above[n] / above[workers[0]]:.2f}x)" for n in workers)
-        + f"; MALLOC_MMAP_THRESHOLD_={env}")
-    return [figure("8b memory", f"whole-run peak RSS of the largest worker above a 1-layer run, {n} workers, "
-                   f"ZeRO-3 57M (MALLOC_MMAP_THRESHOLD_={env})", above[n] / 2**20, "MiB", "1 worker",
+        + f"; {what}")
+    part = "8c memory" if snapshots else "8b memory"
+    return [figure(part, f"whole-run peak RSS of the largest worker above a 1-layer run, {n} workers, "
+                   f"ZeRO-3 57M ({what})", above[n] / 2**20, "MiB", "1 worker",
                    above[workers[0]] / 2**20, target=f"<= {t}x 1 worker", met=above[n] <= t * above[workers[0]])
             for n, t in ((2, 0.6), (4, 0.33)) if n in above]
