@@ -27,6 +27,7 @@ from raytrain.ckpt.restore import find_memory_point, find_resume_point, peek_sta
 from raytrain.ckpt.rollback import roll_back
 from raytrain.ckpt.state import TrainState
 from raytrain.ckpt.writer import CheckpointWriter
+from raytrain.deepspeed_internals import set_muon_aside
 from raytrain import lora
 from raytrain.faults import Faults
 from raytrain.model import build_model, compile_engine, flops_per_token, moe_aux_loss, param_counts, param_groups
@@ -287,6 +288,7 @@ class WorkerRun:
         n_params, n_active = param_counts(model, cfg.model)  # active per token (MoE: top-k experts): the FLOPs behind MFU
         model, self.lora_base = lora.prepare_model(model, cfg.model, seed=cfg.run.seed)  # peft when model.lora.r > 0
         self.boot["model"] = time.time()
+        set_muon_aside(ds_config)  # DeepSpeed's Muon module compiles kernels at import: 1.4 s of every start-up
         with no_stdout():
             engine, _, _, _ = deepspeed.initialize(
                 model=model, model_parameters=param_groups(model, cfg.optim.weight_decay), config=ds_config,
