@@ -54,6 +54,15 @@ def test_ds_config_is_derived_from_ours():
     assert fp16["enabled"] and fp16["loss_scale"] == 0  # 0 = dynamic loss scaling
 
 
+def test_the_run_line_names_the_optimizer_the_engine_gets():
+    from raytrain.trainer import optimizer_named
+
+    assert optimizer_named(load_config("tiny", ["optim.lr=0.003"])) == "AdamW lr 0.003"
+    muon = load_config("tiny", ["deepspeed.extra={optimizer: {type: Muon, params: {lr: 0.02, momentum: 0.95}}}"])
+    assert optimizer_named(muon) == "Muon lr 0.02"
+    assert build_ds_config(muon, 1, "fp32", cuda=False)["optimizer"]["type"] == "Muon"
+
+
 def test_dtype_auto():
     cfg = load_config("tiny")
     assert resolve_dtype(cfg, cuda=False, bf16_supported=False) == "fp32"
