@@ -256,7 +256,8 @@ def train(cfg: Config, log: Callable[[str], None] = print, inject: Optional[dict
     log(f"[raytrain] data {train_split.num_samples:,} x {train_split.seq_len} tokens ({train_split.format}, "
         f"{len(train_split.shard_uris)} shards) from {train_split.uri}{' and the other sources' if mixture else ''}"
         + (f", val {val_split.num_samples:,}" if val_split else ", no validation")
-        + f" | {cfg.run.max_steps} steps, {optimizer_named(cfg)} warmup {o.warmup_steps} {o.decay}, clip {o.grad_clip:g}")
+        + f" | {cfg.run.max_steps} steps, {optimizer_named(cfg)} warmup {o.warmup_steps} {o.decay}, "
+          f"clip {o.grad_clip:g}")
     storage.write_text(RunDir(cfg.run_uri).uri(CONFIG), cfg.to_yaml())
     local = init_ray(cfg)
     check_cluster(cfg, local)

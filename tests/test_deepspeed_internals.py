@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from raytrain.deepspeed_internals import MUON_MODULES, set_muon_aside
+from raytrain.deepspeed_internals import MUON_STAND_INS, set_muon_aside
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -57,6 +57,6 @@ def test_engines_of_every_zero_stage_train_without_loading_the_compiler_stack():
 
 
 def test_a_run_configured_with_muon_gets_the_real_modules():
-    before = {m: sys.modules.get(m) for m in MUON_MODULES}
+    before = {m: sys.modules.get(m) for m in MUON_STAND_INS}
     assert set_muon_aside({"optimizer": {"type": "Muon", "params": {}}}) is False
-    assert {m: sys.modules.get(m) for m in MUON_MODULES} == before  # nothing put in their place
+    assert {m: sys.modules.get(m) for m in MUON_STAND_INS} == before  # nothing put in their place
