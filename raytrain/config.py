@@ -214,8 +214,7 @@ class CheckpointSection(Section):
     on_upload_failure: Literal["warn", "stop"] = Field("warn", description="an upload that still fails after retries leaves that checkpoint uncommitted; warn and train on, or stop the run")
     upload_retries: int = Field(3, ge=0, description="retries (with backoff) of a failed checkpoint upload, on top of the S3 client's own retries")
     commit_timeout_s: float = Field(600.0, gt=0, description="rank 0 waits this long for every rank's upload before giving up on a checkpoint")
-    staging_dir: Optional[str] = Field(None, description="local directory for the copy written before upload; default: <checkpoint.local_dir>/staging")
-    local_dir: Optional[str] = Field(None, description="node-local directory for restore downloads (each node fetches only its ranks' files, once) and save staging; staging of killed processes is removed at start. Default: the node's largest local disk (/opt/dlami/nvme, /mnt, ...; else ~/.cache)/raytrain")
+    local_dir: Optional[str] = Field(None, description="node-local directory for restore downloads (each node fetches only its ranks' files, once, into restore/) and the copy a save writes before upload (staging/); what killed processes left there is removed at start. Default: the node's largest local disk (/opt/dlami/nvme, /mnt, ...; else ~/.cache)/raytrain")
     verify_on_resume: Literal["checksum", "size"] = Field("checksum", description="how the checkpoint to resume from is checked: sha256 of every file (reads it once more) or sizes only")
     on_preemption: bool = Field(True, description="checkpoint at once when a node is drained for preemption or a worker gets SIGTERM")
     memory: bool = Field(True, description="host-memory snapshots (docs/FAULT_TOLERANCE.md): each rank copies its state into shared memory held by a per-node actor of the run, so a restarted worker group resumes from the newest snapshot instead of the last storage checkpoint; false: storage checkpoints only")
@@ -285,8 +284,7 @@ class MetricsSection(Section):
 
     prometheus: bool = Field(True, description="export raytrain_* series through Ray's metrics API (Ray's Prometheus endpoint, labels run/worker)")
     tensorboard: bool = Field(False, description="also write TensorBoard event files to <run>/tensorboard/")
-    peak_tflops: Optional[float] = Field(None, gt=0.0, description="peak TFLOP/s of one worker's device for MFU; null: the GPU table in worker/telemetry.py, or cpu_peak_tflops on CPU")
-    cpu_peak_tflops: Optional[float] = Field(None, gt=0.0, description="peak TFLOP/s of one CPU worker for MFU; null: measured at start-up by a short fp32 matmul probe on the worker's threads, cached per machine in ~/.cache/raytrain/cpu_peak.json")
+    peak_tflops: Optional[float] = Field(None, gt=0.0, description="peak TFLOP/s of one worker's device (GPU or CPU) for MFU; null: the GPU table in worker/telemetry.py, or on CPU measured at start-up by a short fp32 matmul probe on the worker's threads, cached per machine in ~/.cache/raytrain/cpu_peak.json")
     wandb: WandbSection = Field(default_factory=WandbSection, description="Weights & Biases tracker (`pip install raytrain[wandb]`)")
     mlflow: MlflowSection = Field(default_factory=MlflowSection, description="MLflow tracker (`pip install raytrain[mlflow]`)")
     on_tracker_failure: Literal["warn", "stop"] = Field("warn", description="a tracker unreachable at start or failing mid-run: one warning line and training goes on (metrics.jsonl stays complete), or stop the run")
@@ -345,6 +343,9 @@ RETIRED = {
     "data.prefetch_batches": "the training reader reads ahead by itself, about one unit per lane",
     "checkpoint.preemption_check_s": "the preemption notice is read every step and agreed on through the step's "
                                      "loss all-reduce",
+    # Merged pairs: one key per setting. The message names the key that holds it now.
+    "metrics.cpu_peak_tflops": "set metrics.peak_tflops instead (one worker's device peak, CPU workers included)",
+    "checkpoint.staging_dir": "set checkpoint.local_dir instead (a save's staging is <checkpoint.local_dir>/staging)",
 }
 
 
@@ -424,11 +425,21 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _lora_fits(self) -> "Config":
-        from raytrain.lora import settings_error  # no peft import: only the settings are checked
-
-        msg = settings_error(self)
-        if msg:
-            raise ValueError(msg)
+        """The settings LoRA adapters (raytrain/lora.py) cannot run under."""
+        if self.model.lora.r <= 0:
+            return self
+        if self.deepspeed.zero_stage == 3:
+            # Under ZeRO-3 the model is built inside zero.Init, partitioned before peft could wrap it, and the
+            # checkpoint / export paths consolidate whole modules; adapters over partitioned weights are not
+            # wired. The frozen base is what ZeRO-3 would shard, so offload (ZeRO-2 + offload_optimizer) is the
+            # nearest setting that runs.
+            raise ValueError("model.lora with deepspeed.zero_stage=3 is not supported (the base is partitioned by "
+                             "zero.Init before peft can wrap it); use deepspeed.zero_stage 0-2")
+        if self.deepspeed.tensor_parallel_size > 1:
+            raise ValueError("model.lora with deepspeed.tensor_parallel_size > 1 is not supported (AutoTP slices the "
+                             "layers peft wraps); use 1")
+        if self.model.compile:
+            raise ValueError("model.lora with model.compile=true is not supported; set model.compile=false")
         return self
 
     @model_validator(mode="after")

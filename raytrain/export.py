@@ -57,10 +57,10 @@ def consolidated_state_dict(ckpt_uri: str, zero_stage: int, tensor_parallel: int
             states = torch.load(os.path.join(d, ENGINE_TAG, "mp_rank_00_model_states.pt"), map_location="cpu",
                                 weights_only=False)
             return {k: v.float() for k, v in states["module"].items()}
-        from deepspeed.utils import zero_to_fp32
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        zero_to_fp32.tqdm = lambda it, **_: it  # its "Loading checkpoint shards" bar, to stderr on every export
+        # Its "Loading checkpoint shards" bar, to stderr on every export: tqdm's own switch.
+        os.environ.setdefault("TQDM_DISABLE", "1")
         with contextlib.redirect_stdout(io.StringIO()):  # it prints every tensor it merges
             return get_fp32_state_dict_from_zero_checkpoint(d, tag=ENGINE_TAG)
 
@@ -68,14 +68,9 @@ def consolidated_state_dict(ckpt_uri: str, zero_stage: int, tensor_parallel: int
 def _merged_tensor_parallel(engine_dir: str, out_dir: str) -> dict[str, torch.Tensor]:
     """AutoTP checkpoints hold one slice of each sharded weight per tensor-parallel rank, which zero_to_fp32 does
     not merge; DeepSpeed's universal-checkpoint converter does (it records how each weight was split)."""
-    import argparse
+    from raytrain.ckpt.reshard import to_universal
 
-    from deepspeed.checkpoint import ds_to_universal
-
-    args = argparse.Namespace(input_folder=engine_dir, output_folder=out_dir, num_extract_workers=1,
-                              num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
-    with contextlib.redirect_stdout(io.StringIO()):  # it prints every tensor it merges
-        ds_to_universal.main(args)
+    to_universal(engine_dir, out_dir)
     zero = os.path.join(out_dir, "zero")
     return {name: torch.load(os.path.join(zero, name, "fp32.pt"), map_location="cpu", weights_only=False)["param"].float()
             for name in os.listdir(zero) if os.path.exists(os.path.join(zero, name, "fp32.pt"))}
@@ -200,9 +195,7 @@ def export(ckpt_uri: str, out_uri: str, tokenizer: Optional[str] = None, force: 
     if any(storage.exists(storage.join(out_uri, f)) for f in ("config.json", "adapter_config.json")) and not force:
         raise UserError(f"{out_uri} already holds a model; pass --force to overwrite it")
     if adapter:
-        from raytrain import lora
-
-        return lora.export_adapter(ckpt_uri, out_uri, tokenizer=tokenizer, log=log)
+        return export_adapter(ckpt_uri, out_uri, tokenizer=tokenizer, log=log)
     ck = load_checkpoint(ckpt_uri, tokenizer)
     if ck.tokenizer_uri is None:
         raise UserError(f"no tokenizer known for {ck.uri}; pass --tokenizer <tokenizer.json>")
@@ -223,3 +216,33 @@ def export(ckpt_uri: str, out_uri: str, tokenizer: Optional[str] = None, force: 
     log(f"[raytrain] exported {ck.uri} (step {ck.step}, ZeRO-{ck.cfg.deepspeed.zero_stage}) -> {out_uri}: "
         f"{n_params:,} parameters (checked on reload), files: {', '.join(files)}")
     return {"out": out_uri, "step": ck.step, "params": n_params, "files": files}
+
+
+def export_adapter(ckpt_uri: str, out_uri: str, *, tokenizer: Optional[str], log) -> dict:
+    """`raytrain export --adapter`: the PEFT adapter directory of a LoRA checkpoint (stock `peft` loads it onto its
+    base), with the tokenizer and export metadata; the base is model.init_from, or written into base/ beside it."""
+    from raytrain.lora import BASE_DIR
+    from raytrain.model import local_model_dir, param_count
+
+    ck = load_checkpoint(ckpt_uri, tokenizer, merge=False)
+    if not hasattr(ck.model, "peft_config"):
+        raise UserError(f"--adapter: {ck.uri} was not trained with model.lora (r > 0); export it without --adapter")
+    if ck.tokenizer_uri is None:
+        raise UserError(f"no tokenizer known for {ck.uri}; pass --tokenizer <tokenizer.json>")
+    n_adapter = sum(p.numel() for n, p in ck.model.named_parameters() if "lora_" in n)
+    with tempfile.TemporaryDirectory(prefix="raytrain-export-") as d:
+        init_from = ck.cfg.model.init_from
+        ck.model.peft_config["default"].base_model_name_or_path = \
+            os.path.abspath(local_model_dir(init_from)) if init_from else BASE_DIR
+        ck.model.save_pretrained(d)  # adapter_config.json + adapter_model.safetensors
+        base = ck.model.unload()  # the frozen base, without the adapter layers
+        write_model_dir(ck, base, d, params=param_count(base), adapter_params=n_adapter)
+        for f in ("config.json", "model.safetensors", "generation_config.json"):
+            os.remove(os.path.join(d, f))  # the base's, written by write_model_dir: they live in base/ (or init_from)
+        if not init_from:
+            write_model_dir(ck, base, os.path.join(d, BASE_DIR), params=param_count(base))
+        files = sorted(os.listdir(d))
+        storage.upload_dir(d, out_uri)
+    log(f"[raytrain] exported the LoRA adapter of {ck.uri} (step {ck.step}) -> {out_uri}: {n_adapter:,} adapter "
+        f"parameters, base {'model.init_from ' + init_from if init_from else BASE_DIR + '/'}; files: {', '.join(files)}")
+    return {"out": out_uri, "step": ck.step, "adapter_params": n_adapter, "files": files}

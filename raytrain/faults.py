@@ -4,6 +4,7 @@
     {"crash_at_step": N, "rank": r, "signal": "SIGKILL", "marker": path}         one event
     {"events": [{"step": N, "rank": r, "signal": ...}, ...], "marker": dir}      several
     {"nan_at_step": N, "rank": r}                                                a NaN loss on that step's batch
+    {"memory_apply_fails": r}           rank r cannot apply its host-memory snapshot (checked before the restore)
     {"snapshot_ab_window": W}           no fault: memory snapshots skipped in every other window of W steps
                                         (steps W+1..2W, 3W+1..4W, ...), the benchmark's A/B in one run
 Signals: any signal name (SIGTERM goes through the worker's real handler: a preemption checkpoint;
@@ -52,6 +53,12 @@ class Faults:
         # Tied to the data position, like real bad data: once that window is skipped it never comes back.
         self.nan_position = (nan_step - 1) * global_batch if nan_step and rank == inject.get("rank", 0) else None
         self.ab_window = int(inject.get("snapshot_ab_window") or 0)
+        self.apply_fails = inject.get("memory_apply_fails") == rank
+
+    def memory_apply(self) -> None:
+        """Raises on the rank told to fail applying its memory snapshot."""
+        if self.apply_fails:
+            raise RuntimeError(f"injected: rank {self.rank} cannot apply its memory snapshot")
 
     def snapshots_paused(self, step: int) -> bool:
         """True in the windows of a snapshot A/B measurement that run without memory snapshots."""

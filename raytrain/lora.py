@@ -1,5 +1,6 @@
-"""LoRA adapters through `peft` (model.lora): wrapping the model, the settings it cannot honour, the base model's
-identity kept with every checkpoint, and turning a checkpoint's adapter into a merged model or a PEFT directory.
+"""LoRA adapters through `peft` (model.lora): wrapping the model, the base model's identity kept with every
+checkpoint, and turning a checkpoint's adapter into a merged model (the settings it cannot honour are checked in
+raytrain/config.py; the PEFT directory export is raytrain/export.py's).
 
 Only the adapter's parameters train: the optimizer holds only them (param_groups takes trainable parameters) and
 DeepSpeed saves only them (exclude_frozen_parameters); the frozen base is rebuilt on resume and export from the
@@ -21,24 +22,6 @@ BASE_DIR = "base"  # `raytrain export --adapter` of a run without model.init_fro
 
 def enabled(model_cfg) -> bool:
     return model_cfg.lora.r > 0
-
-
-def settings_error(cfg) -> Optional[str]:
-    """Why this config's LoRA cannot run as asked, or None."""
-    if not enabled(cfg.model):
-        return None
-    if cfg.deepspeed.zero_stage == 3:
-        # Under ZeRO-3 the model is built inside zero.Init, partitioned before peft could wrap it, and the
-        # checkpoint / export paths here consolidate whole modules; adapters over partitioned weights are not
-        # wired here. The frozen base is what ZeRO-3 would shard, so offload (ZeRO-2 + offload_optimizer) is the
-        # nearest setting that runs.
-        return ("model.lora with deepspeed.zero_stage=3 is not supported (the base is partitioned by zero.Init "
-                "before peft can wrap it); use deepspeed.zero_stage 0-2")
-    if cfg.deepspeed.tensor_parallel_size > 1:
-        return "model.lora with deepspeed.tensor_parallel_size > 1 is not supported (AutoTP slices the layers peft wraps); use 1"
-    if cfg.model.compile:
-        return "model.lora with model.compile=true is not supported; set model.compile=false"
-    return None
 
 
 def base_sha256(model: torch.nn.Module) -> str:
@@ -134,40 +117,6 @@ def from_checkpoint(cfg, adapter_sd: dict, *, vocab: Optional[int], eot_id: Opti
 
 ADAPTER_CONFIG = "adapter_config.json"  # what makes a directory a PEFT adapter (peft's own name)
 MERGED_DIR = "merged"  # `raytrain serve` of an adapter directory: its merge, made once beside it
-
-
-def export_adapter(ckpt_uri: str, out_uri: str, *, tokenizer: Optional[str], log) -> dict:
-    """`raytrain export --adapter`: the PEFT adapter directory of a LoRA checkpoint (stock `peft` loads it onto its
-    base), with the tokenizer and export metadata; the base is model.init_from, or written into base/ beside it."""
-    import os
-    import tempfile
-
-    from raytrain import storage
-    from raytrain.export import load_checkpoint, write_model_dir
-    from raytrain.model import local_model_dir, param_count
-
-    ck = load_checkpoint(ckpt_uri, tokenizer, merge=False)
-    if not hasattr(ck.model, "peft_config"):
-        raise UserError(f"--adapter: {ck.uri} was not trained with model.lora (r > 0); export it without --adapter")
-    if ck.tokenizer_uri is None:
-        raise UserError(f"no tokenizer known for {ck.uri}; pass --tokenizer <tokenizer.json>")
-    n_adapter = sum(p.numel() for n, p in ck.model.named_parameters() if "lora_" in n)
-    with tempfile.TemporaryDirectory(prefix="raytrain-export-") as d:
-        init_from = ck.cfg.model.init_from
-        ck.model.peft_config["default"].base_model_name_or_path = \
-            os.path.abspath(local_model_dir(init_from)) if init_from else BASE_DIR
-        ck.model.save_pretrained(d)  # adapter_config.json + adapter_model.safetensors
-        base = ck.model.unload()  # the frozen base, without the adapter layers
-        write_model_dir(ck, base, d, params=param_count(base), adapter_params=n_adapter)
-        for f in ("config.json", "model.safetensors", "generation_config.json"):
-            os.remove(os.path.join(d, f))  # the base's, written by write_model_dir: they live in base/ (or init_from)
-        if not init_from:
-            write_model_dir(ck, base, os.path.join(d, BASE_DIR), params=param_count(base))
-        files = sorted(os.listdir(d))
-        storage.upload_dir(d, out_uri)
-    log(f"[raytrain] exported the LoRA adapter of {ck.uri} (step {ck.step}) -> {out_uri}: {n_adapter:,} adapter "
-        f"parameters, base {'model.init_from ' + init_from if init_from else BASE_DIR + '/'}; files: {', '.join(files)}")
-    return {"out": out_uri, "step": ck.step, "adapter_params": n_adapter, "files": files}
 
 
 def merged_dir(adapter_uri: str, log) -> str:

@@ -1,8 +1,8 @@
 """What a person sees from raytrain's processes: library chatter silenced at its source, our own lines kept.
 
-Everything silenced here is either a notice meant for a library's maintainers (deprecations), a line that
-repeats what our own progress line says (Ray Train's per-report dump), or a guess a library announces
-that we make for it explicitly (DeepSpeed's accelerator). What the run needs to keep is in the run
+Everything silenced here is either a notice meant for a library's maintainers (named deprecations, one by one),
+a progress bar that repeats what our own line says, or a guess a library announces that we make for it explicitly
+(DeepSpeed's accelerator). What the run needs to keep is in the run
 directory (metrics.jsonl, summary.json, attempts.jsonl) and Ray's session logs, not on the console.
 """
 
@@ -16,10 +16,19 @@ import sys
 import warnings
 
 
+# Notices a user of raytrain can act on none of: (category, module that warns (regex), message (regex), why it is
+# here). Filtered one by one, never a whole category: a new deprecation, the one announcing the next break, shows.
+# (Python shows FutureWarnings by default, DeprecationWarnings only from __main__.)
+KNOWN_WARNINGS: tuple = (
+    (FutureWarning, r"torch\.distributed\.c10d_logger",
+     r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
+     "DeepSpeed 0.19.8's ZeRO collectives call them on every step (torch 2.13 renamed them)"),
+)
+
+
 def quiet_warnings() -> None:
-    # Deprecation notices from torch / DeepSpeed / transformers: a user of raytrain can act on none of them.
-    for category in (FutureWarning, DeprecationWarning, PendingDeprecationWarning):
-        warnings.filterwarnings("ignore", category=category)
+    for category, module, message, _why in KNOWN_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category, module=module)
 
 
 def quiet_progress_bars() -> None:
@@ -27,7 +36,9 @@ def quiet_progress_bars() -> None:
     model shards") repeat on every export, serve replica and worker start; our own line says what was loaded."""
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers reads hub's switch at import
     if "transformers" in sys.modules:  # imported already (a reused Ray worker process)
-        sys.modules["transformers"].utils.logging.disable_progress_bar()
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
 
 
 def quiet_deepspeed() -> None:
@@ -40,27 +51,19 @@ def quiet_deepspeed() -> None:
     # default cache is shared by every venv of one Python, and two venvs would rebuild an op in turn (45-100 s).
     if sys.prefix != sys.base_prefix:
         os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
+    from raytrain.internals.deepspeed import import_deepspeed_without_mlflow, skip_shm_comm_op
+
     if "deepspeed" not in sys.modules:
         if "DS_ACCELERATOR" not in os.environ:
             import torch
 
             if not torch.cuda.is_available():
                 os.environ["DS_ACCELERATOR"] = "cpu"
-        blocked = "mlflow" not in sys.modules
-        if blocked:
-            sys.modules["mlflow"] = None  # an ImportError for that one import; its try/except turns the feature off
-        try:
-            import deepspeed  # noqa: F401
-        finally:
-            if blocked:
-                del sys.modules["mlflow"]
-    import deepspeed.ops
-
+        import_deepspeed_without_mlflow()
     # DeepSpeed builds its CPU shared-memory allreduce op (45-100 s of gcc, once per venv) when it first sets up a
     # process group, for one use: its inference all-reduce (tensor-parallel layers on CPU), which falls back to the
-    # gloo group without it. Training's collectives use the gloo group either way. This table of which ops can be
-    # built is read only there (deepspeed 0.19.8); filled in first, it also skips the probe of every op.
-    vars(deepspeed.ops).setdefault("__compatible_ops__", {})["deepspeed_shm_comm"] = False
+    # gloo group without it. Training's collectives use the gloo group either way.
+    skip_shm_comm_op()
 
 
 def quiet_worker() -> None:
@@ -73,11 +76,6 @@ def quiet_worker() -> None:
     logging.getLogger().setLevel(logging.WARNING)
     for name in ("ray.train", "ray.data", "DeepSpeed", "torch.distributed"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    # "Reporting training result N: TrainingReport(...)": outside the ray.train tree that RunConfig's
-    # LoggingConfig filters.
-    from raytrain.ray_internals import quiet_train_report_logger
-
-    quiet_train_report_logger(logging.WARNING)
 
 
 @contextlib.contextmanager

@@ -12,7 +12,7 @@ import os
 import secrets
 from pathlib import Path
 
-from raytrain.ray_internals import reload_ray_config, reset_token_cache
+from raytrain.internals.ray import reload_auth_config
 
 MODE_ENV = "RAY_AUTH_MODE"
 
@@ -43,7 +43,7 @@ def ensure_token(create: bool = True) -> bool:
         return False  # joining a cluster with no token here: Ray's own rules (and its error) apply
     if MODE_ENV not in os.environ:
         os.environ[MODE_ENV] = "token"
-        reload_ray_config()  # Ray read the auth mode when it loaded
+        reload_auth_config()  # Ray read the auth mode when it loaded
     if os.environ[MODE_ENV].lower() != "token" or have:
         return False
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -54,10 +54,22 @@ def ensure_token(create: bool = True) -> bool:
         return False
     with os.fdopen(fd, "w") as f:
         f.write(secrets.token_hex(32))  # what `ray get-auth-token --generate` writes: 256 random bits
-    reset_token_cache()
+    reload_auth_config()  # its token loader cached "no token" when it looked
     return True
 
 
 if __name__ == "__main__":  # scripts/_env.sh: `python -m raytrain.ray_auth` prints where the token lives
     created = ensure_token()
     print(("created a new token. " if created else "") + where())
+
+
+def local_token() -> str | None:
+    """The token this machine has, where Ray reads it ($RAY_AUTH_TOKEN, else the token file), whether or not
+    RAY_AUTH_MODE is set here; None if none."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return os.environ["RAY_AUTH_TOKEN"].strip()
+    path = token_path()
+    try:
+        return path.read_text().strip() or None
+    except OSError:
+        return None

@@ -13,8 +13,9 @@ import json
 import time
 from typing import Optional
 
-from raytrain.ray_internals import controller_callback_base, kv_del, kv_get, kv_put, restarting_state, \
-    worker_group_callback_base
+from raytrain.internals.registry import gate
+from raytrain.internals.ray import CONTROLLER_CALLBACKS, INTERNAL_KV, controller_callback_base, kv_del, kv_get, \
+    kv_put, restarting_state, worker_group_callback_base
 
 # Phase names, in order; each the time it ended.
 PHASES = ("fault_detected", "group_torn_down", "group_starting", "workers_created", "group_up", "train_fn_started")
@@ -26,6 +27,8 @@ def _key(run_uri: str) -> str:
 
 def read(run_uri: str) -> Optional[dict]:
     """The newest worker group start's phases ({phase: unix time}); None when the controller kept none."""
+    if not gate(INTERNAL_KV):
+        return None
     try:
         raw = kv_get(_key(run_uri))
     except Exception:  # noqa: BLE001 - a diagnostic: never the reason a run fails
@@ -35,6 +38,8 @@ def read(run_uri: str) -> Optional[dict]:
 
 def forget(run_uri: str) -> None:
     """At the end of a run (driver side): the key goes with it."""
+    if not gate(INTERNAL_KV):
+        return
     try:
         kv_del(_key(run_uri))
     except Exception:  # noqa: BLE001 - Ray already shut down: the store went with it
@@ -42,7 +47,10 @@ def forget(run_uri: str) -> None:
 
 
 def make_clock(run_uri: str):
-    """The callback to pass in RunConfig(callbacks=...): runs inside the controller actor."""
+    """The callback to pass in RunConfig(callbacks=...): runs inside the controller actor. None where Ray's
+    controller internals are not the version it was written for (restart phases are then not recorded)."""
+    if not (gate(CONTROLLER_CALLBACKS) and gate(INTERNAL_KV)):
+        return None
 
     class RestartClock(controller_callback_base(), worker_group_callback_base()):
         def __init__(self):

@@ -188,37 +188,6 @@ def failure_line(err: BaseException, run_uri: str) -> Optional[str]:
     return str(denied) if denied is not None else msg
 
 
-def _trainer_class():
-    """TorchTrainer with five Ray 2.60 warts removed (raytrain/ray_internals.py says why).
-
-    Ray's PlacementGroupCleaner, a process of its own per run, is left out where the driver's exit removes the
-    run's placement groups anyway (`raytrain train`); where it stays (a Tune trial), it exits from inside its own
-    `stop()` call, so the controller always waits out the full stop timeout (12 s) at the end of every run: waiting
-    2 s changes nothing else.
-    Its preemption watcher, an actor started on every worker group start, got an error-level line printed on every
-    run: it runs as a thread of the controller instead. Its DatasetsCallback starts a DatasetManager actor on every
-    worker group start though raytrain passes no Ray Datasets: left out. Its controller waited for a cluster actor
-    (the AutoscalingCoordinator, a new process on a fresh cluster) before starting the first worker group: the
-    request is sent without waiting.
-    """
-    from ray.train.torch import TorchTrainer
-
-    from raytrain.ray_internals import drop_placement_group_cleaner_in_a_driver, drop_unused_datasets_callback, \
-        scaling_policy_not_waiting_for_the_coordinator, shorten_placement_group_cleaner, watch_drains_in_controller
-
-    class _TorchTrainer(TorchTrainer):
-        def _create_default_callbacks(self):
-            callbacks = drop_placement_group_cleaner_in_a_driver(super()._create_default_callbacks())
-            shorten_placement_group_cleaner(callbacks, 2.0)
-            return watch_drains_in_controller(drop_unused_datasets_callback(callbacks, self.datasets))
-
-        def _initialize_and_run_controller(self, **kwargs):
-            kwargs["scaling_policy"] = scaling_policy_not_waiting_for_the_coordinator(kwargs["scaling_policy"])
-            return super()._initialize_and_run_controller(**kwargs)
-
-    return _TorchTrainer
-
-
 def optimizer_named(cfg: Config) -> str:
     """The optimizer and learning rate the engine gets: optim.* unless deepspeed.extra names its own."""
     extra = cfg.deepspeed.extra.get("optimizer") or {}
@@ -235,8 +204,7 @@ def train(cfg: Config, log: Callable[[str], None] = print, inject: Optional[dict
     sweep trial (raytrain.sweep): every metrics report of the workers then reaches the Tune trial.
     """
     from ray.train import FailureConfig, LoggingConfig, RunConfig, ScalingConfig
-
-    from raytrain.torch_backend import ProcessGroupConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
 
     from raytrain.model import apply_init_from
     from raytrain.restart_phases import make_clock
@@ -270,14 +238,14 @@ def train(cfg: Config, log: Callable[[str], None] = print, inject: Optional[dict
     # run, waits for the next poll; 0.5 s costs it a few small actor calls a second (docs/FAULT_TOLERANCE.md).
     # Ray passes the driver's value on to the controller; one set by the user wins.
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", str(HEALTH_CHECK_INTERVAL_S))
-    trainer = _trainer_class()(
+    clock = make_clock(cfg.run_uri)  # a restart's phases, for attempts.jsonl (None where Ray's internals differ)
+    trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"config": cfg.to_dict(), "train_split": train_split.to_dict(),
                            "val_split": val_split.to_dict() if val_split else None,
                            "mixture": mixture, "val_sources": val_sources,
                            "inject": inject if inject is not None else faults.from_env()},
-        # Ray's TorchConfig, but torch is not imported in the controller (raytrain/torch_backend.py says why).
-        torch_config=ProcessGroupConfig(backend="nccl" if s.use_gpu else "gloo", timeout_s=s.collective_timeout_s),
+        torch_config=TorchConfig(backend="nccl" if s.use_gpu else "gloo", timeout_s=s.collective_timeout_s),
         scaling_config=ScalingConfig(num_workers=s.num_workers, use_gpu=s.use_gpu, resources_per_worker=resources),
         run_config=RunConfig(
             name=cfg.run.name,
@@ -286,7 +254,7 @@ def train(cfg: Config, log: Callable[[str], None] = print, inject: Optional[dict
             # Two budgets: a spot run expects many preemptions but few real failures.
             failure_config=FailureConfig(max_failures=cfg.run.max_failures,
                                          max_preemption_failures=cfg.run.max_preemptions),
-            callbacks=[*(callbacks or ()), make_clock(cfg.run_uri)],  # a restart's phases, for attempts.jsonl
+            callbacks=[*(callbacks or ()), *([clock] if clock is not None else [])],
             logging_config=LoggingConfig(log_level="WARNING"),  # worker-group start/stop lines: Ray's logs only
             worker_runtime_env={"env_vars": worker_env()},
         ),
@@ -301,7 +269,8 @@ def train(cfg: Config, log: Callable[[str], None] = print, inject: Optional[dict
 # glibc's heap settings where the run is submitted reach the training workers, which otherwise inherit the environment
 # of the `ray start` that started their node. By default a worker hands start-up's full-size blocks back to the OS
 # (raytrain/worker/host_heap.py); a MALLOC_MMAP_THRESHOLD_ or MALLOC_TRIM_THRESHOLD_ set here replaces that.
-PROPAGATED_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_ARENA_MAX")
+# RAYTRAIN_INTERNALS=stock (raytrain/internals) holds for the workers too.
+PROPAGATED_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_ARENA_MAX", "RAYTRAIN_INTERNALS")
 
 
 def worker_env() -> dict:

@@ -1,4 +1,7 @@
-"""raytrain benchmark suite: every figure printed beside a baseline measured in the same run, all written as JSON.
+"""raytrain benchmark suite: figures beside a baseline measured in the same run, all written as JSON.
+
+A "baseline" cell only ever holds a figure measured in that run (benchkit.parts.measured); targets and constants
+(a configured interval, N, 1.0) print in the "target / reference" column, and no ratio is taken against them.
 
 Parts (see scripts/benchkit/parts.py):
   overhead    raytrain tokens/s at steady state vs a plain PyTorch loop (1 worker) and plain DDP (2 workers)
@@ -72,7 +75,15 @@ def _fmt(v, unit: str) -> str:
         return f"{v:.2f} s"
     if unit == "steps":
         return f"{v:g}"
+    if unit == "ms" and v < 10:
+        return f"{v:.2f}"
     return f"{v:,.1f}" if v < 100 else f"{v:,.0f}"
+
+
+def target_cell(f: dict) -> str:
+    """What the figure is held to or read against, none of it measured: the target, then any reference constant."""
+    parts = [x for x in (f.get("target"), f.get("reference")) if x]
+    return "; ".join(parts) if parts else "-"
 
 
 def markdown(results: dict, command: str) -> str:
@@ -81,13 +92,17 @@ def markdown(results: dict, command: str) -> str:
     head = (f"Measured {results['date']} on {results['machine']} (load average {results['load_before']} before, "
             f"{results['load_after']} after); {vers}, Python {v['python']}. Command: `{command}` "
             f"({results['wall_s']:.0f} s).\n\n")
-    rows = ["| part | figure | value | baseline (same run) | baseline value | ratio | target | met |",
+    rows = ["| part | figure | value | baseline (measured, same run) | baseline value | ratio | target / reference "
+            "(not measured) | met |",
             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for f in results["figures"]:
         met = "-" if f["met"] is None else ("yes" if f["met"] else "**no**")
-        ratio = "-" if f["ratio"] is None else f"{f['ratio']:.3f}"
+        # Baseline cells come only from the figure's measured baseline: "-" where it has none.
+        measured = f["baseline_value"] is not None
+        ratio = "-" if f["ratio"] is None or not measured else f"{f['ratio']:.3f}"
         rows.append(f"| {f['part']} | {f['name']} | {_fmt(f['value'], f['unit'])} {f['unit'] if f['unit'] not in ('fraction', 'fraction of peak', 's') else ''} | "
-                    f"{f['baseline']} | {_fmt(f['baseline_value'], f['unit'])} | {ratio} | {f['target']} | {met} |")
+                    f"{(f['baseline'] or '-') if measured else '-'} | {_fmt(f['baseline_value'], f['unit'])} | {ratio} | "
+                    f"{target_cell(f)} | {met} |")
     return head + "\n".join(rows) + "\n"
 
 

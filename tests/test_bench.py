@@ -8,6 +8,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -106,6 +107,135 @@ def test_script_writes_json_and_markdown_and_skips_gpu_cleanly(tmp_path, capsys)
 def test_script_rejects_unknown_parts():
     with pytest.raises(SystemExit):
         _script().main(["--parts", "overhead,warp"])
+
+
+# ------------------------------------------------ a "baseline" is only ever a figure measured in the same run
+
+# What used to stand in baseline cells without being measured: targets, settings, N, 1.0.
+_CONSTANT_BASELINE = re.compile(r"^(target|checkpoint interval|before the plan|one split|step time$)", re.I)
+_NUMBER = re.compile(r"^\d[\d,]*(\.\d+)?(\s|%|$)")
+
+
+def _tables(text: str):
+    """(first line number, header cells, rows of cells) of every Markdown table in `text`."""
+    lines, i = text.splitlines(), 0
+    while i < len(lines):
+        if not lines[i].startswith("|"):
+            i += 1
+            continue
+        j = i
+        while j < len(lines) and lines[j].startswith("|"):
+            j += 1
+        cells = [[c.strip() for c in line.strip().strip("|").split("|")] for line in lines[i:j]]
+        yield i + 1, cells[0], [r for r in cells[2:] if len(r) == len(cells[0])]
+        i = j
+
+
+def _baseline_cells_are_measured(text: str) -> list[str]:
+    """Every table's "baseline" columns: a value column holds a number or "-", a label column names a measured
+    figure (no target or constant) and has a value exactly where it has a label. Returns the offences."""
+    bad = []
+    for line, head, rows in _tables(text):
+        cols = [k for k, h in enumerate(head) if "baseline" in h.lower()]
+        values = [k for k in cols if "value" in head[k].lower()]
+        labels = [k for k in cols if k not in values]
+        for r in rows:
+            for k in values:
+                if r[k] != "-" and not _NUMBER.match(r[k]):
+                    bad.append(f"table at line {line}: baseline value {r[k]!r} is not a number or '-'")
+            for k in labels:
+                if _CONSTANT_BASELINE.match(r[k]):
+                    bad.append(f"table at line {line}: baseline {r[k]!r} is a target or constant, not measured")
+                if values and (r[k] == "-") != (r[values[0]] == "-"):
+                    bad.append(f"table at line {line}: baseline {r[k]!r} / value {r[values[0]]!r}: one without the other")
+                if not values and r[k] != "-" and not re.search(r"\d", r[k]):
+                    bad.append(f"table at line {line}: baseline {r[k]!r} holds no measured figure")
+    return bad
+
+
+def test_figure_takes_only_a_measured_baseline_and_keeps_targets_and_constants_apart():
+    with pytest.raises(TypeError, match="not marked measured"):
+        P.figure("x", "steps lost", 3, "steps", "checkpoint interval", 10)  # a setting is not a baseline
+    with pytest.raises(TypeError, match="not marked measured"):
+        P.figure("x", "data wait", 0.001, "fraction", "target", 0.01)
+    with pytest.raises(ValueError, match="ratio"):
+        P.figure("x", "data wait", 0.001, "fraction", target="<= 0.01", ratio=0.1)  # no ratio against a target
+    amp = P.figure("dataplane", "read amplification, N=8", 1.002, "x", target="<= 1.1",
+                   reference="before the plan: 8 (every worker read the global stream)", met=True)
+    assert amp["baseline_value"] is None and amp["ratio"] is None and amp["reference"].startswith("before the plan: 8")
+    stall = P.figure("3 checkpoint", "training stall", 0.05, "s", "sync-upload save", P.measured(1.0), target="<= 0.10")
+    assert isinstance(stall["baseline_value"], P.Measured) and stall["ratio"] == pytest.approx(0.05)
+    assert json.loads(json.dumps(stall))["baseline_value"] == 1.0  # JSON as a plain number
+
+
+def test_bench_table_puts_only_measured_figures_in_baseline_cells():
+    bench = _script()
+    figs = [P.figure("2 ingest", "data wait, fraction of step time (1 worker)", 0.0004, "fraction", target="<= 0.01",
+                     met=True),
+            P.figure("4 recovery", "steps lost (redone after the kill)", 4, "steps", target="< checkpoint interval (10)",
+                     met=True),
+            P.figure("dataplane", "read amplification, N=64, gb=512", 1.0005, "x", target="<= 1.1",
+                     reference="before the plan: 64 (every worker read the global stream)", met=True),
+            P.figure("1 overhead", "raytrain loop's own work per step", 0.31, "ms", "step time, same windows (median)",
+                     P.measured(70.5), target="(decomposition)"),
+            P.figure("3 checkpoint", "training stall of an async-upload save", 0.05, "s", "sync-upload save",
+                     P.measured(1.01), target="<= 0.10", met=True),
+            P.figure("5 gpu", "MFU (skipped: no CUDA device)", None, "", "plain PyTorch + DeepSpeed", None)]
+    results = {"versions": {"python": "3"}, "date": "today", "machine": "m", "load_before": "0", "load_after": "0",
+               "wall_s": 1.0, "figures": figs}
+    text = bench.markdown(results, "scripts/bench.py")
+    assert _baseline_cells_are_measured(text) == []
+    (_, head, rows), = list(_tables(text))
+    col = {h.split(" (")[0]: k for k, h in enumerate(head)}
+    by_name = {r[col["figure"]]: r for r in rows}
+    for name in ("data wait, fraction of step time (1 worker)", "steps lost (redone after the kill)",
+                 "read amplification, N=64, gb=512", "MFU (skipped: no CUDA device)"):
+        r = by_name[name]
+        assert (r[col["baseline"]], r[col["baseline value"]], r[col["ratio"]]) == ("-", "-", "-"), r
+    assert by_name["read amplification, N=64, gb=512"][col["target / reference"]] == \
+        "<= 1.1; before the plan: 64 (every worker read the global stream)"
+    assert by_name["steps lost (redone after the kill)"][col["target / reference"]] == "< checkpoint interval (10)"
+    own = by_name["raytrain loop's own work per step"]
+    assert (own[col["baseline value"]], own[col["ratio"]]) == ("70.5", "0.004")
+
+
+def test_every_figure_call_passes_a_measured_baseline_or_none():
+    """Statically, so the parts no fast test runs (GPU, memory, serve) are covered too: a figure's baseline value
+    is absent, None, or measured(<an expression of this run>), never a literal or a cast of a setting (float(n))."""
+    import ast
+
+    files = [ROOT / "scripts" / "bench.py", *sorted((ROOT / "scripts" / "benchkit").glob("*.py"))]
+    calls = 0
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "figure"):
+                continue
+            calls += 1
+            arg = node.args[5] if len(node.args) > 5 else next(
+                (k.value for k in node.keywords if k.arg == "baseline_value"), None)
+            where = f"{path.name}:{node.lineno}"
+            if arg is None or (isinstance(arg, ast.Constant) and arg.value is None):
+                continue
+            assert isinstance(arg, ast.Call) and getattr(arg.func, "id", None) == "measured", \
+                f"{where}: baseline value {ast.unparse(arg)} is not measured(...)"
+            (inner,) = arg.args
+            assert not isinstance(inner, ast.Constant), f"{where}: measured({ast.unparse(inner)}) is a constant"
+            assert not (isinstance(inner, ast.Call) and getattr(inner.func, "id", None) in ("float", "int")), \
+                f"{where}: measured({ast.unparse(inner)}) is a cast of a setting, not a measurement"
+    assert calls >= 20, calls  # the scan found the parts' figures
+
+
+def test_benchmarks_doc_tables_hold_only_measured_baselines_and_no_removed_code():
+    text = (ROOT / "docs" / "BENCHMARKS.md").read_text()
+    assert _baseline_cells_are_measured(text) == []
+    # SampleStream (removed in issue 16) appears only as labelled history: under a "Removed code" heading, or on
+    # a line that says it is removed; never in a current-looking table or figure.
+    heading = ""
+    for n, line in enumerate(text.splitlines(), 1):
+        if line.startswith("#"):
+            heading = line
+        if "SampleStream" in line:
+            assert "removed" in heading.lower() or "removed" in line.lower(), f"line {n}: {line}"
 
 
 @pytest.mark.slow

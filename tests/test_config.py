@@ -95,6 +95,15 @@ def test_retired_key_in_a_file_loads_with_a_warning_but_not_as_an_override(tmp_p
         load_config("tiny", ["data.prefetch_batches=4"])
 
 
+@pytest.mark.parametrize("old, new", [("metrics.cpu_peak_tflops=0.5", "metrics.peak_tflops"),
+                                      ("checkpoint.staging_dir=/tmp/x", "checkpoint.local_dir")])
+def test_a_merged_key_names_the_one_that_replaced_it(old, new):
+    with pytest.raises(UserError) as e:
+        load_config("tiny", [old])
+    msg = str(e.value)
+    assert len(msg.splitlines()) == 1 and f"'{old.split('=')[0]}' is no longer used: set {new} instead" in msg, msg
+
+
 def test_allocator_settings_of_the_driver_reach_the_training_workers(monkeypatch):
     """MALLOC_MMAP_THRESHOLD_ (ZeRO-3 peak host memory per worker falls as 1/N with it) set where the run is
     submitted goes into the workers' runtime env; nothing is set when the user set nothing."""

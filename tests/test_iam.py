@@ -283,7 +283,7 @@ def test_a_worker_without_its_runs_statement_commits_no_checkpoint(iam_s3, tmp_p
     from raytrain.config import load_config
 
     cfg = load_config("tiny", ["checkpoint.upload=sync", "checkpoint.on_upload_failure=stop", "checkpoint.upload_retries=0",
-                               f"checkpoint.staging_dir={tmp_path}"]).checkpoint
+                               f"checkpoint.local_dir={tmp_path}"]).checkpoint
     run = f"s3://{BUCKET}/runs/denied"
     with iam_s3.acting_as("worker-no-run-writes"):
         writer = CheckpointWriter(cfg, run_uri=run, rank=0, world=1)

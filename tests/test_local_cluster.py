@@ -98,6 +98,8 @@ def test_spot_job_scales_from_zero_survives_a_reclaim_and_finishes(fake_cluster,
     killed, t_kill = None, None
     try:
         while job.poll() is None:
+            # Liveness guard only: the whole test took 280 s in a suite run (the job 480 s at load ~100, the worst
+            # recorded, docs/CLUSTERS.md); 900 s only catches a job that hangs.
             assert time.time() - t0 < 900, f"job did not finish in 15 min; log tail: {log_path.read_text()[-2000:]}"
             for nid, state in _spot_nodes(dash).items():
                 if state == "ALIVE":

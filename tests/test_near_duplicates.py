@@ -10,7 +10,8 @@ import pytest
 
 from raytrain.data import minhash
 from raytrain.data.prepare import PrepareConfig, prepare
-from raytrain.data.quality import clean_documents, normalise
+from raytrain.data.quality import normalise
+from raytrain.data.stages import clean_documents
 
 THRESHOLD = 0.9
 TOLERANCE = 0.0  # candidates are verified with the exact Jaccard of their shingle sets: no estimate to allow for

@@ -16,7 +16,7 @@ import pytest
 
 from raytrain.data import pipeline
 from raytrain.data.prepare import PrepareConfig, prepare
-from raytrain.data.quality import clean_documents
+from raytrain.data.stages import clean_documents
 from tests.helpers import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -187,6 +187,7 @@ def two_node_cluster(s3_server, tmp_path_factory):
                         f"{(up.stdout + up.stderr).strip().splitlines()[-1:]}")
         t0 = time.monotonic()
         while sum(n["state"] == "ALIVE" for n in _cluster_nodes(dash)) < 2:
+            # Liveness guard only: the node normally joins within seconds of `up`; 120 s only catches one that never does.
             assert time.monotonic() - t0 < 120, f"the worker node did not join in 120 s: {_cluster_nodes(dash)}"
             time.sleep(2)
         yield dash, env

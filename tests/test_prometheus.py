@@ -84,7 +84,7 @@ def test_prometheus_scrapes_raytrain_series(tiny_data, tmp_path):
                      "run.name=prom", "model.n_layer=1", "model.hidden_size=32", "model.n_head=2", "model.seq_len=32",
                      "batch.micro_batch_size=4", "optim.lr=3e-3", "optim.warmup_steps=2", "run.log_every=1",
                      "run.eval_every=10", "data.eval_samples=16", "checkpoint.every_n_steps=5", "run.max_steps=20",
-                     "run.max_failures=0", "scaling.data_cpus=2", "metrics.cpu_peak_tflops=0.1",
+                     "run.max_failures=0", "scaling.data_cpus=2", "metrics.peak_tflops=0.1",
                      # a threshold every step crosses: the rule fires and its counter reaches Prometheus
                      "health.grad_norm_max=1e-9", "health.grace_steps=0"]
         env = {**os.environ, "RAY_TRAIN_ENABLE_PRINT_PATCH": "0", "RAY_USAGE_STATS_ENABLED": "0",
@@ -130,7 +130,7 @@ def test_prometheus_scrapes_raytrain_series(tiny_data, tmp_path):
         mfu = _values(base, "max_over_time(raytrain_mfu_ratio[10m])")
         flops = _values(base, "max_over_time(raytrain_achieved_flops_per_second[10m])")
         for k, v in mfu.items():
-            assert 0 < v < 1 and flops[k] == pytest.approx(v * 0.1e12, rel=1e-6)  # cpu_peak_tflops 0.1
+            assert 0 < v < 1 and flops[k] == pytest.approx(v * 0.1e12, rel=1e-6)  # peak_tflops 0.1
         phases = _values(base, "max_over_time(raytrain_step_phase_seconds[10m])")
         assert {dict(k)["phase"] for k in phases} == set(PHASES)
         assert all(0 <= v < 60 for v in phases.values())

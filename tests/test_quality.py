@@ -6,7 +6,8 @@ import json
 
 from raytrain.cli import main
 from raytrain.data.prepare import PrepareConfig, prepare
-from raytrain.data.quality import clean_documents, normalise
+from raytrain.data.quality import normalise
+from raytrain.data.stages import clean_documents
 from raytrain.data.report import ks_statistic
 
 BASE = ("Ray Train runs the training function on every worker and DeepSpeed shards the optimizer state "

@@ -41,6 +41,13 @@ def test_unsupported_scheme():
 
 
 def test_endpoint_without_scheme_means_https(monkeypatch):
+    import pyarrow.fs as pafs
+
     monkeypatch.setenv("AWS_ENDPOINT_URL", "minio.internal:9000")
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)  # it would win over AWS_ENDPOINT_URL
+    real, seen = pafs.S3FileSystem, {}
+    # The filesystem is built for real; what it was built with is recorded (pyarrow does not show its endpoint).
+    monkeypatch.setattr(pafs, "S3FileSystem", lambda **kw: seen.update(kw) or real(**kw))
     fs = storage._s3_filesystem()
-    assert "minio.internal:9000" in repr(fs) or fs is not None
+    assert isinstance(fs, real)
+    assert (seen.get("endpoint_override"), seen.get("scheme")) == ("minio.internal:9000", "https"), seen

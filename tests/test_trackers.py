@@ -2,12 +2,14 @@
 W&B in offline mode, an unreachable tracker, and bad tracker input (one line, exit 2)."""
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -57,26 +59,42 @@ def _steps(run_dir, key):
     return [(r["step"], r[key]) for r in RunDir(str(run_dir)).read_jsonl(METRICS) if isinstance(r.get(key), float)]
 
 
+def _report_recorder(path: Path):
+    """A Ray Train callback (it runs in the Train controller) that appends rank 0's metrics of every report to
+    `path`, one JSON line each: what Tune's TuneReportCallback would be handed in a sweep trial."""
+    import ray.train
+
+    class RecordReports(ray.train.UserCallback):
+        def after_report(self, run_context, metrics, checkpoint):
+            with open(path, "a") as f:
+                f.write(json.dumps(metrics[0], default=str) + "\n")
+
+    return RecordReports()
+
+
 @pytest.fixture(scope="module")
 def mlflow_run(ray_cluster, tiny_data, tmp_path_factory, mlflow_server, lm_eval_tasks):
     """A run through a SIGKILL, a resubmission resized 2 -> 1 and a health rollback, logged to MLflow and to W&B
-    (offline), with downstream (lm-eval) evaluations of its checkpoints on Ray tasks; (run directory, the
-    resubmission's summary)."""
+    (offline) and TensorBoard, with downstream (lm-eval) evaluations of its checkpoints on Ray tasks; (run directory,
+    the resubmission's summary). Beside the run directory: reports.jsonl, what Ray Train's reports carried."""
     pytest.importorskip("lm_eval", reason="the lm-evaluation-harness is not installed: pip install 'raytrain[eval]'")
     pytest.importorskip("wandb", reason="wandb is not installed: pip install 'raytrain[wandb]'")
     tmp_path = tmp_path_factory.mktemp("mlflow_run")
-    # W&B offline too: one training run for both trackers keeps the suite short.
+    # W&B offline too: one training run for every sink keeps the suite short.
     common = ("run.eval_every=5", f"metrics.mlflow.tracking_uri={mlflow_server}", "metrics.mlflow.experiment=crash",
               "metrics.wandb.project=raytrain-test", "metrics.wandb.mode=offline", f"metrics.wandb.dir={tmp_path / 'wandb'}",
-              "eval.tasks=[raytrain_tiny_mc]", "eval.limit=8", f"eval.include_path={lm_eval_tasks}")
+              "eval.tasks=[raytrain_tiny_mc]", "eval.limit=8", f"eval.include_path={lm_eval_tasks}",
+              "metrics.tensorboard=true")
+    reports = _report_recorder(tmp_path / "reports.jsonl")
     cfg = tiny_cfg(tiny_data, tmp_path / "runs", "mlf", "run.max_failures=1", *common)
-    summary = train(cfg, log=lambda *_: None, inject={"crash_at_step": 7, "marker": str(tmp_path / "crashed")})
+    summary = train(cfg, log=lambda *_: None, inject={"crash_at_step": 7, "marker": str(tmp_path / "crashed")},
+                    callbacks=[reports])
     assert summary["restarts"] == 1 and summary["trackers"]["mlflow"]["error"] is None
     assert summary["trackers"]["wandb"]["error"] is None
     # The same run submitted again on 1 worker (a 2 -> 1 resize), for more steps: it resumes, and logs into the same
     # MLflow run, through a health rollback (a NaN on step 11's batch: back to checkpoint 10, that batch skipped).
     more = tiny_cfg(tiny_data, tmp_path / "runs", "mlf", "run.max_steps=12", "scaling.num_workers=1", *common)
-    return tmp_path / "runs" / "mlf", train(more, log=lambda *_: None, inject={"nan_at_step": 11})
+    return tmp_path / "runs" / "mlf", train(more, log=lambda *_: None, inject={"nan_at_step": 11}, callbacks=[reports])
 
 
 def test_one_tracker_run_each_through_a_crash_a_resize_and_a_rollback(mlflow_run, mlflow_server):
@@ -114,11 +132,117 @@ def test_one_tracker_run_each_through_a_crash_a_resize_and_a_rollback(mlflow_run
     assert 1 <= len(runs) <= 3 and all(r.endswith(f"-{wandb_id}") for r in runs), runs
 
 
+def _tensorboard_scalars(d: Path) -> dict[str, dict[int, float]]:
+    """{tag: {step: value}} over the event files in d, oldest file first (a step an attempt wrote again: its value)."""
+    from tensorboardX.proto import event_pb2
+
+    scalars: dict[str, dict[int, float]] = {}
+    for path in sorted(d.glob("events.out.tfevents.*")):  # named by their creation time
+        data, i = path.read_bytes(), 0
+        while i < len(data):
+            n = int.from_bytes(data[i:i + 8], "little")
+            ev = event_pb2.Event.FromString(data[i + 12:i + 12 + n])
+            i += 12 + n + 4
+            for v in ev.summary.value:
+                scalars.setdefault(v.tag, {})[ev.step] = v.simple_value
+    return scalars
+
+
+def test_every_sink_gets_every_kind_of_record_through_a_crash_a_resize_and_a_rollback(mlflow_run, mlflow_server):
+    """One path (worker/records.py's RecordWriter): metrics.jsonl, TensorBoard and the tracker (MLflow) hold the
+    step-0 validation, the steps, validations, checkpoints, the rollback and the downstream evaluations; Ray Train's
+    reports (what Tune is handed) were the validation and checkpoint records only, a step's in one report. (Prometheus:
+    the next test; the session cluster exports a gauge every 10 s, too seldom to see a short run's records.)"""
+    from mlflow.tracking import MlflowClient
+
+    run_dir, _ = mlflow_run
+    recs = RunDir(str(run_dir)).read_jsonl(METRICS)
+    val0 = [r["val_loss"] for r in recs if r["step"] == 0]
+    rollbacks = [(r["step"], r["bad_step"], r["resumed_from"]) for r in recs if r.get("event") == "rollback"]
+    checkpoints = [r["step"] for r in recs if "checkpoint" in r]
+    evals = [r["step"] for r in recs if "eval/raytrain_tiny_mc/acc" in r]
+    assert len(val0) == 1 and rollbacks == [(10, 11, 10)] and checkpoints == evals == [5, 10, 12], recs
+    assert sorted(r["step"] for r in recs if "val_loss" in r) == [0, 5, 10, 12]
+
+    tb = _tensorboard_scalars(run_dir / "tensorboard")
+    assert tb["val_loss"][0] == pytest.approx(val0[0], rel=1e-5) and sorted(tb["val_loss"]) == [0, 5, 10, 12]
+    assert sorted(tb["loss"]) == list(range(1, 13))
+    assert tb["bad_step"] == {10: 11.0} and tb["resumed_from"] == {10: 10.0}
+    assert sorted(tb["ckpt_stall_s"]) == checkpoints and sorted(tb["eval/raytrain_tiny_mc/acc"]) == evals
+
+    client = MlflowClient(tracking_uri=mlflow_server)
+    run_id = RunDir(str(run_dir)).read_json(TRACKERS)["mlflow"]["run_id"]
+
+    def history(key):
+        return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+
+    assert history("val_loss")[0] == (0, pytest.approx(val0[0], rel=1e-6))
+    assert history("bad_step") == [(10, 11.0)] and client.get_run(run_id).data.tags["raytrain.event"] == "rollback"
+    assert [s for s, _ in history("ckpt_stall_s")] == checkpoints
+
+    # Tune's input: validations and checkpoints, never a plain step, the rollback or a downstream evaluation (rank 0
+    # alone, at any step). A report lost with the killed attempt is gone, so 0 and 5 may be missing.
+    reports = [json.loads(x) for x in (run_dir.parent.parent / "reports.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in reports]
+    assert {10, 12} <= set(steps) <= {0, 5, 10, 12} and len(steps) == len(set(steps)), reports
+    assert all(("checkpoint" in r) == (r["step"] > 0) and "val_loss" in r for r in reports), reports
+    assert not [r for r in reports if "event" in r or any(k.startswith("eval/") for k in r)], reports
+
+
+def test_prometheus_shows_the_newest_value_whatever_kind_of_record_brought_it(ray_cluster, tmp_path):
+    """No training: rank 0's record writer as the loop drives it through a validation, a checkpoint, a rollback and a
+    downstream evaluation, with the worker's Prometheus exporter (Ray metrics on the session cluster): after each
+    record the gauges hold the newest values, and the report gets each step's validation and checkpoint as one."""
+    from raytrain.worker.metrics import RayMetrics
+    from raytrain.worker.records import RecordWriter
+    from raytrain.worker.runlog import RunLog
+    from raytrain.worker.trackers import Trackers
+
+    cfg = tiny_cfg("data", tmp_path, "latest")
+    prometheus, reported = RayMetrics("latest", 0), []
+    records = RecordWriter(cfg, rank=0, log=RunLog(cfg.run_uri, 4, 0, enabled=True), prometheus=prometheus,
+                           trackers=Trackers(cfg, enabled=False), report=reported.append)
+
+    def shown(name, **labels):
+        return prometheus._last[(name, tuple(sorted(labels.items())))][0]
+
+    try:
+        records.write({"step": 0, "val_loss": 5.0}, "validation")
+        records.report()
+        assert (shown("raytrain_step"), shown("raytrain_val_loss")) == (0, 5.0)
+        records.write({"step": 1, "loss": 4.0}, "step")
+        records.report()
+        records.write({"step": 2, "loss": 3.0, "val_loss": 3.5}, "validation", sync=True)
+        records.write({"step": 2, "checkpoint": "checkpoint_00000002", "ckpt_stall_s": 0.1}, "checkpoint")
+        records.report()
+        records.write({"step": 3, "loss": 2.5}, "step")
+        records.report()
+        assert (shown("raytrain_step"), shown("raytrain_loss"), shown("raytrain_val_loss")) == (3, 2.5, 3.5)
+        records.log.rewind(2)
+        records.write({"step": 2, "event": "rollback", "bad_step": 3, "resumed_from": 2}, "rollback", sync=True)
+        records.write({"step": 2, "eval/tiny_mc/acc": 0.5}, "downstream", sync=True)
+        records.report()
+        assert shown("raytrain_step") == 2 and shown("raytrain_eval_score", task="tiny_mc", metric="acc") == 0.5
+        records.write({"step": 3, "loss": 2.4, "val_loss": 2.6}, "validation", sync=True)
+        records.report()
+        assert (shown("raytrain_step"), shown("raytrain_loss"), shown("raytrain_val_loss")) == (3, 2.4, 2.6)
+    finally:
+        records.close()
+        prometheus.close()
+    assert reported == [{"step": 0, "val_loss": 5.0},
+                        {"step": 2, "loss": 3.0, "val_loss": 3.5, "checkpoint": "checkpoint_00000002",
+                         "ckpt_stall_s": 0.1},
+                        {"step": 3, "loss": 2.4, "val_loss": 2.6}]
+    assert [(r["step"], r.get("event")) for r in records.log.history] == [(0, None), (1, None), (2, None), (2, None),
+                                                                          (2, "rollback"), (2, None), (3, None)]
+
+
 def test_an_mlflow_server_killed_mid_run_costs_one_warning_and_no_metrics_line(tmp_path):
-    """No Ray: rank 0's run log and trackers as the loop drives them, the MLflow server SIGKILLed once the run is
-    open and records were sent. Every write returns at once, metrics.jsonl has every record, one warning, and
-    closing takes at most metrics.tracker_timeout_s."""
+    """No Ray: rank 0's record writer, run log and trackers as the loop drives them, the MLflow server SIGKILLed once
+    the run is open and records were sent. Every write returns at once, metrics.jsonl has every record, one warning,
+    and closing takes at most metrics.tracker_timeout_s."""
     pytest.importorskip("mlflow", reason="mlflow is not installed: pip install 'raytrain[mlflow]'")
+    from raytrain.worker.records import RecordWriter
     from raytrain.worker.runlog import RunLog
     from raytrain.worker.trackers import Trackers
 
@@ -126,23 +250,32 @@ def test_an_mlflow_server_killed_mid_run_costs_one_warning_and_no_metrics_line(t
     cfg = tiny_cfg("data", tmp_path / "runs", "killed", f"metrics.mlflow.tracking_uri={uri}", "metrics.tracker_timeout_s=5")
     said = []
     trackers = Trackers(cfg, enabled=True, log=said.append)
-    log = RunLog(cfg.run_uri, 10, 0, enabled=True, trackers=trackers)
+    records = RecordWriter(cfg, rank=0, log=RunLog(cfg.run_uri, 10, 0, enabled=True), trackers=trackers)
     rd = RunDir(cfg.run_uri)
     try:
         slowest = 0.0
         for step in range(1, 11):
             if step == 4:  # the run is open and steps 1-3 were sent: the server goes
-                deadline = time.time() + 120
+                deadline = time.time() + 120  # liveness guard: normally a few s (a send every 3 s); 120 s: a hang
                 while (rd.read_json(TRACKERS) or {}).get("mlflow", {}).get("logged_through", -1) < 3:
                     assert time.time() < deadline, rd.read_json(TRACKERS)
                     time.sleep(0.2)
                 os.killpg(proc.pid, signal.SIGKILL)
             t = time.time()
-            log.write({"step": step, "loss": 1.0 / step})
+            records.write({"step": step, "loss": 1.0 / step}, "step")
             slowest = max(slowest, time.time() - t)
         t = time.time()
-        where = trackers.close()
-        assert time.time() - t < 5 + 1 and slowest < 0.5, (time.time() - t, slowest)
+        where = records.close()["trackers"]
+        closed_s = time.time() - t
+        # The outcome: the writes returned while the tracker still held steps 4-10 unsent, and close() gave up on
+        # it at its deadline while it was still stuck in MLflow's backoff against the dead server, saying why.
+        (tracker,) = trackers.trackers
+        assert tracker.through == 3 and tracker.thread.is_alive(), tracker.through
+        assert "within metrics.tracker_timeout_s=5" in where["mlflow"]["error"], where
+        # Liveness guards only: a write is a queue put (about a millisecond) and close() ends at the 5 s timeout;
+        # a write or close() that waited on the tracker would wait out MLflow's retries (minutes). 30 s and 60 s
+        # only catch that.
+        assert slowest < 30 and closed_s < 60, (slowest, closed_s)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

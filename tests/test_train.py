@@ -323,3 +323,56 @@ def test_workers_taking_every_cpu_still_get_their_data(ray_cluster, tiny_data, t
     cfg = tiny_cfg(tiny_data, tmp_path, "starved", "scaling.cpus_per_worker=2", "data.stall_timeout_s=20",
                    "run.max_steps=3", "checkpoint.every_n_steps=1000", "checkpoint.save_final=false")
     assert train(cfg, log=lambda *_: None)["steps"] == 3
+
+
+def test_every_internals_gate_closed_a_run_still_survives_a_preemption_and_a_kill_and_exports(
+        ray_cluster, tiny_data, tmp_path, baseline, monkeypatch):
+    """RAYTRAIN_INTERNALS=stock closes every gate of raytrain/internals, as an upgraded Ray or DeepSpeed would: a
+    SIGTERM at step 3 still checkpoints at once, a SIGKILL at step 6 resumes from storage (memory snapshots off:
+    they rest on ZeRO's internals), the losses equal the uninterrupted run's, restart phases are not recorded, and
+    the final checkpoint exports."""
+    from raytrain.export import export
+    from raytrain.internals.registry import FORCE_ENV
+
+    _, want = baseline
+    monkeypatch.setenv(FORCE_ENV, "stock")  # the driver's; trainer.PROPAGATED_ENV carries it to the workers
+    cfg = tiny_cfg(tiny_data, tmp_path, "stock", "run.max_steps=12", "checkpoint.every_n_steps=4",
+                   "checkpoint.upload=sync", "run.max_failures=2", "run.max_preemptions=1", "checkpoint.memory=true")
+    summary = train(cfg, log=lambda *_: None, inject={
+        "events": [{"step": 3, "rank": 1, "signal": "SIGTERM"}, {"step": 6, "rank": 0, "signal": "SIGKILL"}],
+        "marker": str(tmp_path / "fault")})
+    assert (tmp_path / "fault.0").exists() and (tmp_path / "fault.1").exists()
+    assert summary["restarts"] == 2 and summary["preemptions"] == 1 and summary["steps"] == 12
+    noticed = [r["step"] for r in _metrics(cfg.run_uri) if r.get("preemption_checkpoint")]
+    assert noticed and noticed[0] in (3, 4), noticed
+    restores = RunDir(cfg.run_uri).read_jsonl("restores.jsonl")
+    assert [(r["source"], r["checkpoint"]) for r in restores] == [("storage", dir_name(noticed[0])),
+                                                                  ("storage", dir_name(4))], restores
+    assert not any("snapshot_stall_s" in r for r in _metrics(cfg.run_uri))  # memory tier off
+    assert not any("controller" in a for a in RunDir(cfg.run_uri).read_jsonl(ATTEMPTS))  # phases not recorded
+    got = _losses(cfg.run_uri)
+    assert sorted(got) == list(range(1, 13))
+    for step in range(1, 13):
+        assert got[step] == pytest.approx(want[step], abs=1e-5), step
+    out = export(f"{cfg.run_uri}/{dir_name(12)}", str(tmp_path / "model"), log=lambda *_: None)
+    assert (tmp_path / "model" / "config.json").exists(), out
+
+
+def test_a_snapshot_one_rank_cannot_apply_sends_every_rank_to_storage(ray_cluster, tiny_data, tmp_path, baseline):
+    """Rank 1 fails inside the restore's check of its memory snapshot (injected): the ranks' vote, taken before
+    any collective, sends every rank to storage's checkpoint 4; the run goes on with the uninterrupted losses and a
+    single restart (no rank waited in a collective), and restores.jsonl says why."""
+    _, want = baseline
+    cfg = tiny_cfg(tiny_data, tmp_path, "refused", "run.max_steps=12", "checkpoint.every_n_steps=4",
+                   "checkpoint.upload=sync", "run.max_failures=1", "checkpoint.memory=true")
+    summary = train(cfg, log=lambda *_: None, inject={"crash_at_step": 6, "rank": 0, "marker": str(tmp_path / "died"),
+                                                      "memory_apply_fails": 1})
+    assert (tmp_path / "died").exists() and summary["restarts"] == 1
+    refused, restored = RunDir(cfg.run_uri).read_jsonl("restores.jsonl")
+    assert refused["source"] == "memory" and not refused["ok"] and refused["step"] == 5, refused
+    assert refused["reason"] == "rank 1: RuntimeError: injected: rank 1 cannot apply its memory snapshot", refused
+    assert restored["source"] == "storage" and restored["checkpoint"] == dir_name(4) and restored["ok"], restored
+    got = _losses(cfg.run_uri)
+    assert sorted(got) == list(range(1, 13))
+    for step in range(1, 13):
+        assert got[step] == pytest.approx(want[step], abs=1e-5), step

@@ -109,7 +109,7 @@ def test_microbatch_sweep_with_memory_cap_resume_then_train_best(ray_cluster, ti
     env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
     driver = subprocess.Popen([sys.executable, "-m", "raytrain", *cmd], stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL, env=env)
-    deadline = time.time() + 600
+    deadline = time.time() + 600  # liveness guard: all of test_tune took 217 s in a suite run; 600 s catches a hang
     while not list((tmp_path / "sweeps" / "mb" / "trials").glob("*/summary.json")) and driver.poll() is None:
         assert time.time() < deadline, "the first trial did not finish"
         time.sleep(1)

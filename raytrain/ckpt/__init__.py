@@ -1,1 +1,1 @@
-"""Checkpoints: their names (layout), counters (state), catalogue, saving (writer), restoring and health rollback."""
+"""Checkpoints: their names (layout), counters (state), catalogue, saving (writer) and restoring."""

@@ -23,17 +23,19 @@ from typing import Optional
 from raytrain.ckpt import snapshot
 from raytrain.ckpt.node_memory import NAMESPACE, actor_name, node_actor, run_actors
 from raytrain.ckpt.state import TrainState, rng_state, set_rng_state
+from raytrain.internals.deepspeed import is_zero_optimizer, zero_check, zero_load, zero_state
 
 FORMAT = 1  # the state dict's shape inside a snapshot; a restore refuses other versions
 
 
 def engine_kind(engine) -> Optional[str]:
     """How a snapshot captures this engine: 'zero' (a ZeRO optimizer's own partition), 'plain' (module + torch
-    optimizer: ZeRO-0 in fp32), or None (an optimizer wrapper the memory tier does not handle)."""
+    optimizer: ZeRO-0 in fp32), or None (an optimizer the memory tier does not handle, or ZeRO internals of another
+    DeepSpeed version: raytrain/internals/deepspeed.py)."""
     import torch
 
     opt = engine.optimizer
-    if type(opt).__name__ in ("DeepSpeedZeroOptimizer", "DeepSpeedZeroOptimizer_Stage3"):
+    if is_zero_optimizer(opt):
         return "zero"
     if isinstance(opt, torch.optim.Optimizer) and type(opt).__module__.startswith("torch."):
         return "plain"
@@ -49,35 +51,38 @@ def capture(engine, state: TrainState, kind: str, committed: Optional[int], run_
                      "skipped_steps": engine.skipped_steps},
           "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None}
     if kind == "zero":
-        sd["optimizer"] = engine.optimizer.state_dict()
+        sd["optimizer"] = zero_state(engine.optimizer)
     else:
         sd["module"] = engine.module.state_dict()
         sd["optimizer"] = engine.optimizer.state_dict()
     return sd
 
 
-def apply(engine, sd: dict) -> TrainState:
-    """Put a captured state back into a freshly built engine of the same layout (collective under ZeRO: the
-    16-bit weights are all-gathered from the restored fp32 partitions)."""
-    import torch.distributed as dist
+def check(engine, sd: dict, faults=None) -> Optional[str]:
+    """Why this rank cannot apply its snapshot to this engine (None: it can). Local, no collective: its answer is
+    this rank's vote (raytrain/ckpt/restore.py agrees before `apply`, so no rank waits in a collective)."""
+    try:
+        if faults is not None:
+            faults.memory_apply()  # a drill: a rank that cannot apply its snapshot
+        if sd.get("format") != FORMAT:
+            return f"snapshot format {sd.get('format')} (this version reads {FORMAT})"
+        if sd.get("kind") == "zero":
+            return zero_check(engine.optimizer, sd.get("optimizer"))
+        if engine_kind(engine) != sd.get("kind"):
+            return f"the snapshot was taken of a {sd.get('kind')!r} engine, this one is {engine_kind(engine)!r}"
+    except Exception as e:  # noqa: BLE001 - any failure here is a "no" vote, never a rank left out of a collective
+        return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+    return None
 
-    opt = engine.optimizer
+
+def apply(engine, sd: dict) -> TrainState:
+    """Put a captured state back into a freshly built engine of the same layout, after every rank's `check` said
+    yes (collective under ZeRO: the 16-bit weights are all-gathered from the restored fp32 partitions)."""
     if sd["kind"] == "zero":
-        group = getattr(opt, "dp_process_group", None)
-        dp_rank = dist.get_rank(group=group) if dist.is_initialized() else 0
-        dp_size = dist.get_world_size(group=group) if dist.is_initialized() else 1
-        per_rank = [None] * dp_size
-        per_rank[dp_rank] = sd["optimizer"]
-        if hasattr(opt, "checkpoint_event_prologue"):
-            opt.checkpoint_event_prologue()
-        opt.load_state_dict(per_rank, load_optimizer_states=True, load_from_fp32_weights=True)
-        if type(opt).__name__ == "DeepSpeedZeroOptimizer":
-            opt.update_lp_params()  # ZeRO-1/2: the 16-bit weights from the fp32 partitions (ZeRO-3 does it inside)
-        if hasattr(opt, "checkpoint_event_epilogue"):
-            opt.checkpoint_event_epilogue()
+        zero_load(engine.optimizer, sd["optimizer"])
     else:
         engine.module.load_state_dict(sd["module"])
-        opt.load_state_dict(sd["optimizer"])
+        engine.optimizer.load_state_dict(sd["optimizer"])
     if sd["lr_scheduler"] is not None and engine.lr_scheduler is not None:
         engine.lr_scheduler.load_state_dict(sd["lr_scheduler"])
     engine.global_steps = sd["engine"]["global_steps"]
@@ -251,7 +256,7 @@ class MemoryTier:
         """Generation `gen`'s file, at least nbytes long (asked of the node's actor only when it must grow)."""
         import ray
 
-        from raytrain.worker.runlog import say
+        from raytrain.console import say
 
         if self._sizes.get(gen, 0) >= nbytes:
             return self._paths[gen]
@@ -273,7 +278,7 @@ class MemoryTier:
         return path
 
     def _off(self, why: str) -> None:
-        from raytrain.worker.runlog import say
+        from raytrain.console import say
 
         say(f"warning: rank {self.rank}: memory snapshots off ({why}); recovery restores from storage checkpoints")
         self.invalidate()

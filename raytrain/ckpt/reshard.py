@@ -18,7 +18,7 @@ def ensure_universal(run_uri: str, uri: str, files: dict, *, root: str, deep: bo
                      to_world: int) -> dict:
     """{"files": manifest of <checkpoint>/universal} - converted now if no earlier resize did it - or
     {"bad": [...]} when the checkpoint's partitions fail verification. One process runs it (rank 0)."""
-    from raytrain.worker.runlog import say
+    from raytrain.console import say
 
     muri = storage.join(uri, UNIVERSAL, MANIFEST)
     if storage.exists(muri):
@@ -31,7 +31,9 @@ def ensure_universal(run_uri: str, uri: str, files: dict, *, root: str, deep: bo
             return {"bad": src.bad}
         os.makedirs(root, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix="universal-", dir=root) as out:
-            _to_universal(src.path, out)
+            # Parallel extraction of the partitions: the conversion runs once per checkpoint, on one process.
+            to_universal(os.path.join(src.path, ENGINE_TAG), os.path.join(out, UNIVERSAL_TAG),
+                         workers=max(1, (os.cpu_count() or 2) // 2))
             ufiles = hash_local_files(out)
             storage.upload_dir(out, storage.join(uri, UNIVERSAL))
         # Written last, like a checkpoint's manifest: a conversion cut short is redone, never half-used.
@@ -55,20 +57,18 @@ def universal_files(files: dict, universal: dict) -> dict:
             **{f"{UNIVERSAL}/{k}": v for k, v in universal.items()}}
 
 
-def _to_universal(ckpt_dir: str, out_dir: str) -> str:
-    """Convert the saved engine state to DeepSpeed's universal format (any world size can load it)."""
-    import argparse
-    import contextlib
-    import io
+def to_universal(engine_dir: str, out_dir: str, *, workers: int = 1) -> None:
+    """DeepSpeed's universal-checkpoint converter on a saved engine directory, through its command line (its public
+    interface): any world size can load the result, and AutoTP slices come out merged. The one place it is run."""
+    import subprocess
+    import sys
 
-    from deepspeed.checkpoint import ds_to_universal
-
-    target = os.path.join(out_dir, UNIVERSAL_TAG)
-    # Parallel extraction of the partitions: the conversion runs once per checkpoint, on one process.
-    workers = max(1, (os.cpu_count() or 2) // 2)
-    args = argparse.Namespace(input_folder=os.path.join(ckpt_dir, ENGINE_TAG), output_folder=target,
-                              num_extract_workers=workers, num_merge_workers=workers, keep_temp_folder=False,
-                              strict=True, inject_missing_state=True)  # our ZeRO-1/2 saves carry no universal info
-    with contextlib.redirect_stdout(io.StringIO()):  # the converter prints every tensor
-        ds_to_universal.main(args)
-    return os.path.basename(target)
+    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", engine_dir,
+           "--output_folder", out_dir, "--num_extract_workers", str(workers), "--num_merge_workers", str(workers),
+           "--inject_missing_state"]  # our ZeRO-1/2 saves carry no universal info
+    # Its output lists every tensor: kept only for an error.
+    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TQDM_DISABLE": "1"})
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-5:]
+        raise RuntimeError(f"DeepSpeed's universal conversion of {engine_dir} failed (exit {done.returncode}): "
+                           + " | ".join(tail))

@@ -39,7 +39,7 @@ def find_memory_point(memory, rank: int) -> Optional[MemoryPoint]:
     it): each rank sends what its node's actor holds, headers only. Each rank keeps two generations: ranks killed
     one step apart still share the older one. Only a rank whose node lacks its snapshot moves bytes (one fetch).
     """
-    from raytrain.worker.runlog import say
+    from raytrain.console import say
 
     if not memory.enabled:
         return None
@@ -70,6 +70,14 @@ def find_memory_point(memory, rank: int) -> Optional[MemoryPoint]:
             "s": round(time.perf_counter() - t0, 3), "fetched_ranks": fetched,
             "ranks": [{"rank": r["rank"], "node": r["node"]} for r in recs]}
     return point
+
+
+def agree_apply(reason: Optional[str], rank: int, world: int) -> Optional[str]:
+    """Collective (one small all-gather): every rank's answer to "can you apply your snapshot?" (None: yes).
+    None when all can; else why not, rank by rank, the same on every rank."""
+    reasons = _all_gather({"rank": rank, "reason": reason}, world)
+    refused = [f"rank {r['rank']}: {r['reason']}" for r in reasons if r["reason"] is not None]
+    return "; ".join(refused) if refused else None
 
 
 def agree_memory(recs: list[dict], world: int) -> Optional[tuple[int, dict[int, list[tuple[str, str]]]]]:
@@ -141,7 +149,7 @@ def find_resume_point(run_uri: str, rank: int, *, deep: bool = True, local_dir: 
     records decides: if any rank found a bad file, every rank moves on to the previous complete checkpoint.
     Bytes downloaded per node are logged and appended to <run>/restores.jsonl.
     """
-    from raytrain.worker.runlog import say
+    from raytrain.console import say
 
     world = _world()
     root = local_root(local_dir)
@@ -205,7 +213,7 @@ def _all_gather(rec: dict, world: int) -> list:
 def _read_mine(uri: str, files: dict, mine: list[str], *, rank: int, root: str,
                deep: bool) -> tuple[ResumePoint, dict]:
     """This rank's files of a checkpoint made local and verified: the resume point and this rank's record of it."""
-    from raytrain.worker.runlog import say
+    from raytrain.console import say
 
     t0 = time.perf_counter()
     local = make_local(uri, files, mine, root=root, deep=deep)
@@ -218,7 +226,7 @@ def _read_mine(uri: str, files: dict, mine: list[str], *, rank: int, root: str,
 
 def _report(run_uri: str, uri: str, files: dict, recs: list, *, ok: bool) -> None:
     """Rank 0: the bytes downloaded per node (or which rank found a bad file), said and added to restores.jsonl."""
-    from raytrain.worker.runlog import say
+    from raytrain.console import say
 
     nodes: dict[str, int] = {}
     for r in recs:

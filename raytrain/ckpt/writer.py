@@ -40,8 +40,9 @@ class CheckpointWriter:
         self.last_upload_s = 0.0
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[str] = None
-        staging = ckpt_cfg.staging_dir or os.path.join(local_root(getattr(ckpt_cfg, "local_dir", None)), "staging")
-        self._staging = os.path.join(os.path.expanduser(staging), f"{os.getpid()}-rank{rank}")
+        # Under local_dir, where remove_stale (node_cache.py) finds what killed processes left.
+        staging = os.path.join(local_root(getattr(ckpt_cfg, "local_dir", None)), "staging")
+        self._staging = os.path.join(staging, f"{os.getpid()}-rank{rank}")
         self._group = _commit_group(world, ckpt_cfg.commit_timeout_s)
 
     def save(self, engine, state: TrainState, config_yaml: str) -> str:
@@ -151,7 +152,7 @@ class CheckpointWriter:
         return out
 
     def _fail(self, name: str, msg: str) -> None:
-        from raytrain.worker.runlog import say
+        from raytrain.console import say
 
         self.failed.append(name)
         self._error = msg

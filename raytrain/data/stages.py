@@ -13,6 +13,7 @@ import hashlib
 import heapq
 import json
 from collections import Counter
+from typing import Iterable
 
 import numpy as np
 import pyarrow as pa
@@ -307,3 +308,39 @@ def write_shard_group(group: pa.Table, *, out: str, formats: list[str], window: 
     return pa.table({"split": [split], "index": [start // shard_rows], "entries": [json.dumps(entries)],
                      "reused": [reused]})
 
+
+def clean_documents(docs: Iterable[str], min_chars: int, max_chars: int, near_dup_threshold: float,
+                    pii: bool, seed: int) -> tuple[list[str], Counter]:
+    """Every quality step of the prepare pipeline (the stages above), in this process: the kept documents in input
+    order (the first copy of exact duplicates; near duplicates as the pipeline decides) and per-step counts."""
+    docs = list(docs)
+    near = near_dup_threshold < 1.0
+    bands, rows = minhash.lsh_params(near_dup_threshold, minhash.NUM_PERM) if near else (0, 0)
+    s = normalise_batch(pa.table({"text": pa.array(docs, pa.large_string()), "utf8": ["ok"] * len(docs)}),
+                        min_chars=min_chars, max_doc_chars=max_chars, near=near, bands=bands, rows=rows,
+                        seed=seed, n_parts=1, val_fraction=0.0)
+    counts: Counter = Counter({"input": len(docs)})
+    drops: set = set()
+    if near:
+        requests = bucket_pairs(explode_bands(s, n_groups=1), n_parts=1)
+        pairs = attach_partners(pa.concat_tables([lookup_docs(s), requests]), n_parts=1)
+        docs = lookup_docs(s)
+        k = docs.column("k").to_numpy()
+        removed, _ = neardup.verify(k, docs.column("text").to_pylist(), pairs, threshold=near_dup_threshold,
+                                    draw=np.zeros(len(k)))
+        drops = set(k[removed].tolist())
+    seen: set = set()
+    kept = []
+    for text, why, h, k in zip(*(s.column(c).to_pylist() for c in ("text", "reason", "h", "k"))):
+        if why:
+            counts[why] += 1
+        elif h in seen:
+            counts["dropped_exact_duplicate"] += 1
+        elif k in drops:
+            counts["dropped_near_duplicate"] += 1
+            seen.add(h)
+        else:
+            seen.add(h)
+            kept.append(scrub_pii(text, counts) if pii else text)
+    counts["kept"] = len(kept)
+    return kept, counts

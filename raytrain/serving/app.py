@@ -448,12 +448,13 @@ class Router:
              "traffic": (1 - self.fraction) if i["version"] == self.stable else self.fraction} for i in infos]}
 
     def _admin(self, request: Request, path: str, body: dict) -> tuple[int, dict]:
-        from raytrain.ray_internals import token_auth_enabled, valid_request_token
+        from raytrain.internals.ray import token_auth_enabled, valid_request_token
+        from raytrain.ray_auth import local_token
 
         # Whoever may submit Ray jobs may move traffic: the same token, when the cluster uses one; without
         # token authentication only this machine may.
         if token_auth_enabled():
-            if not valid_request_token(request.headers.get("authorization", "")):
+            if not valid_request_token(request.headers.get("authorization", ""), local_token()):
                 raise RequestError(401, "traffic changes need the Ray auth token: Authorization: Bearer <token> "
                                    "(`raytrain serve promote|rollback|split` sends it)")
         elif getattr(request.client, "host", None) not in ("127.0.0.1", "::1", "localhost"):

@@ -104,7 +104,7 @@ def serve_forever(model: str, port: int = 8000, host: str = "127.0.0.1", version
 
 def traffic(url: str, action: str, fraction: Optional[float] = None, timeout_s: float = 30) -> dict:
     """split / promote / rollback on a running `raytrain serve`; returns the router's new traffic state."""
-    from raytrain.ray_internals import local_auth_token
+    from raytrain.ray_auth import local_token
 
     if action == "split":
         if fraction is None:
@@ -114,7 +114,7 @@ def traffic(url: str, action: str, fraction: Optional[float] = None, timeout_s: 
         path, body = f"/admin/{action}", {}
     # The token whenever this machine has one (RAY_AUTH_TOKEN, ~/.ray/auth_token): a local Ray turns token
     # authentication on by itself when a token exists, whether or not RAY_AUTH_MODE is set here.
-    token = local_auth_token()
+    token = local_token()
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
     req = urllib.request.Request(url.rstrip("/") + path, data=json.dumps(body).encode(), headers=headers,
                                  method="POST")

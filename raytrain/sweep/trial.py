@@ -24,7 +24,9 @@ from ray.tune.trainable.function_trainable import wrap_function
 from raytrain import storage
 from raytrain.config import load_config
 from raytrain.rundir import METRICS, RunDir
-from raytrain.ray_internals import controller_callback_base
+from raytrain.internals.registry import gate
+from raytrain.internals.ray import CONTROLLER_CALLBACKS, TUNE_REPORT_QUEUE, abort_controller, \
+    controller_callback_base, report_queue_empty
 from raytrain.sweep.spec import SweepSpec, trial_overrides
 
 # Per trial-actor process: the queue through which this trial's Train controller announces itself.
@@ -48,20 +50,26 @@ class _ReportObjective(TuneReportCallback):
 
     def drain(self, timeout_s: float = 30.0) -> None:
         """Wait until Tune has taken the last forwarded report, so the trial's final report comes after it."""
+        if not gate(TUNE_REPORT_QUEUE):
+            time.sleep(2.0)
+            return
         deadline = time.time() + timeout_s
-        while time.time() < deadline and not self._training_actor_item_queue.empty():
+        while time.time() < deadline and not report_queue_empty(self):
             time.sleep(0.2)
         time.sleep(0.5)
 
 
-class _AnnounceController(controller_callback_base()):
-    """Runs inside the Train controller: hands the trial a handle to it, for a clean abort on stop."""
+def _announce_controller(queue) -> Optional[Any]:
+    """A callback that runs inside the Train controller and hands the trial a handle to it, for a clean abort on
+    stop; None where Ray's controller internals are not the version it was written for."""
+    if not gate(CONTROLLER_CALLBACKS):
+        return None
 
-    def __init__(self, queue):
-        self._queue = queue
+    class AnnounceController(controller_callback_base()):
+        def after_controller_start(self, train_run_context) -> None:
+            queue.put(ray.get_runtime_context().current_actor)
 
-    def after_controller_start(self, train_run_context) -> None:
-        self._queue.put(ray.get_runtime_context().current_actor)
+    return AnnounceController()
 
 
 def _abort_train_run() -> None:
@@ -74,7 +82,7 @@ def _abort_train_run() -> None:
         return
     try:
         # abort() shuts the worker group down and removes its placement group, then exits the actor.
-        ray.get(controller.abort.remote(), timeout=60)
+        abort_controller(controller, timeout_s=60)
     except Exception:  # noqa: BLE001 - the exit surfaces as an actor error; a finished run is gone already
         pass
 
@@ -128,7 +136,8 @@ def run_trial(config: dict, spec_dict: dict, sweep_dir: str) -> None:
     queue = _RUN["queue"] = Queue(maxsize=1, actor_options={"num_cpus": 0})
     forward = _ReportObjective(metric, cfg.run.max_steps)
     try:
-        summary = train(cfg, log=print, callbacks=[forward, _AnnounceController(queue)])
+        announce = _announce_controller(queue)
+        summary = train(cfg, log=print, callbacks=[forward, *([announce] if announce is not None else [])])
     except Exception as e:  # noqa: BLE001 - out of memory is an outcome of the search, not a crash
         reason = _oom_reason(e)
         if reason is None:

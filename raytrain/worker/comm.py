@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Callable, Optional
 
-from raytrain.worker.runlog import say
+from raytrain.console import say
 
 # What gloo, NCCL and torch.distributed say when a peer never answered or went away.
 _SIGNS = ("timed out", "timeout", "connection closed by peer", "connection reset by peer", "broken pipe",

@@ -2,7 +2,8 @@
 
 `__init__` builds the components, each from its own config section plus keyword-only runtime values: the
 data plane (this rank's rows by the sample plan, and the data position), the DeepSpeed engine, the
-checkpoint writer and its cadence, the step's agreement, the evaluator, telemetry and the run log.
+checkpoint writer and its cadence, the step's agreement, the evaluator, telemetry, the run log and the record
+writer (every metric record's one path to its sinks).
 `run()` is the loop; `step()`, `after_step()`, `roll_back()` and `finish()` are its parts.
 """
 
@@ -18,17 +19,17 @@ import torch
 import torch.distributed as dist
 
 from raytrain.config import Config
+from raytrain.console import say
 from raytrain.rundir import RESTORES, RunDir
 from raytrain.data.manifest import Split
 from raytrain.ds_config import build_ds_config, lr_lambda, resolve_dtype
 from raytrain.errors import UserError
 from raytrain.ckpt.layout import dir_name, step_of
-from raytrain.ckpt.memory import MemoryTier, apply as apply_snapshot
-from raytrain.ckpt.restore import find_memory_point, find_resume_point, peek_state, restore
-from raytrain.ckpt.rollback import roll_back
+from raytrain.ckpt.memory import MemoryTier, apply as apply_snapshot, check as check_snapshot
+from raytrain.ckpt.restore import agree_apply, find_memory_point, find_resume_point, peek_state, restore
+from raytrain.worker.rollback import roll_back
 from raytrain.ckpt.state import TrainState
 from raytrain.ckpt.writer import CheckpointWriter
-from raytrain.deepspeed_internals import set_muon_aside
 from raytrain import lora
 from raytrain.faults import Faults
 from raytrain.model import build_model, compile_engine, flops_per_token, moe_aux_loss, param_counts, param_groups
@@ -41,7 +42,8 @@ from raytrain.worker import host_heap
 from raytrain.worker.loss import StepLoss
 from raytrain.worker.interval import cadence_for, run_history
 from raytrain.worker.preemption import PreemptionNotice
-from raytrain.worker.runlog import Attempt, RunLog, progress_every, say
+from raytrain.worker.records import RecordWriter
+from raytrain.worker.runlog import Attempt, RunLog, progress_every
 from raytrain.worker.telemetry import Telemetry, Window, oom_guard
 from raytrain.worker.trackers import Trackers
 from raytrain.worker.verdict import StepAgreement, StepVerdict
@@ -89,6 +91,9 @@ class WorkerRun:
             gc.enable()
         dp_rank, self.dp_size = _data_parallel_rank(cfg, rank, world)
         self.boot["engine"] = time.time()
+        self.faults = Faults(loop_config.get("inject"), rank=rank, global_batch=cfg.global_batch)
+        if self.from_memory is not None:  # every rank can apply its snapshot, or all restore from storage
+            resumed = self._vote_on_memory()
         # (run start, attempts before this one): from attempts.jsonl, or carried by the memory snapshot (no storage
         # request between a fault and the first resumed step: _open_records writes and reads after it).
         carried = (self.from_memory.state.get("run_records") or {}) if self.from_memory else {}
@@ -112,8 +117,7 @@ class WorkerRun:
                                       device=device)
         self.log = RunLog(cfg.run_uri, cfg.run.max_steps, self.state.step, enabled=rank == 0,
                           tail=carried.get("log_tail", ()),
-                          progress_every=progress_every(cfg.run.progress_every, cfg.run.log_every, cfg.run.max_steps),
-                          trackers=Trackers(cfg, enabled=rank == 0, restarts=self.state.restarts, log=say))
+                          progress_every=progress_every(cfg.run.progress_every, cfg.run.log_every, cfg.run.max_steps))
         # Downstream (lm-eval) evaluations of committed checkpoints, on Ray tasks of their own (rank 0 hands over).
         self.downstream = DownstreamEvals(cfg.eval, run_uri=cfg.run_uri, enabled=rank == 0, log=say)
         # The checkpoint this attempt resumed from is never pruned while it runs.
@@ -126,9 +130,11 @@ class WorkerRun:
         self.notice = PreemptionNotice(rank, enabled=cfg.checkpoint.on_preemption)
         self.agreement = StepAgreement(notice=self.notice, cadence=self.cadence, rank=rank, world=world, device=device)
         self.tel = Telemetry(cfg, rank, world, self.cuda, flops_per_token(n_active, cfg.model), log=say)
+        # Every metric record's one path: metrics.jsonl, trackers, TensorBoard, Prometheus, Ray Train / Tune reports.
+        self.records = RecordWriter(cfg, rank=rank, log=self.log, prometheus=self.tel.metrics, report=ray.train.report,
+                                    trackers=Trackers(cfg, enabled=rank == 0, restarts=self.state.restarts, log=say))
         self.comm = watch_for_run(cfg, rank=rank, world=world, cuda=self.cuda,  # names the collective a rank waits in
                                   count=lambda rule: self.tel.metrics.count("raytrain_health_violations_total", rule=rule))
-        self.faults = Faults(loop_config.get("inject"), rank=rank, global_batch=cfg.global_batch)
         self.device = device
 
     def run(self) -> None:
@@ -166,8 +172,9 @@ class WorkerRun:
                 say(lora.describe(self.engine.module, self.cfg.model, self.n_params))
         if self.evaluate and self.state.step == 0:
             rec = {"step": 0, **self.evaluate.record(self.engine)}
-            self.log.write(rec)
+            self.records.write(rec, "validation")
             self.log.console(rec)
+            self.records.report()
         self.attempt = Attempt(self.cfg.run_uri, rank=self.rank, world=self.world, state=self.state,
                                t_start=self.t_start, boot=self.boot)  # recovery time, steps lost, cost
         self.window = Window(self.tel.timer)
@@ -204,8 +211,8 @@ class WorkerRun:
                 rec.update(self.memory.record())  # the stall of the newest snapshot before this step's
             if do_eval:
                 rec.update(self.evaluate.record(self.engine))
-            self.tel.observe(rec, sync=do_eval or do_ckpt)
-            self.log.write(rec, sync=True if (do_eval or do_ckpt) else None)
+            self.tel.health.check_log(rec)
+            self.records.write(rec, "validation" if do_eval else "step", sync=True if (do_eval or do_ckpt) else None)
         # After the step's record (a restore from this snapshot resumes past it: the snapshot carries the records
         # storage does not have yet), before any storage save of this step (memory is never older than a
         # committed checkpoint).
@@ -220,12 +227,7 @@ class WorkerRun:
         self.log.console(rec)  # after the save: the line names the checkpoint this step wrote
         if verdict.preempted:
             self._leave_for_preemption()
-        if do_eval:
-            import ray.train
-
-            # Metrics-only reports are kept to eval steps: each report waits for Ray Train's controller
-            # to collect it (about a second), which would throttle a loop that logs every step.
-            ray.train.report(rec)
+        self.records.report()  # the step's validation and checkpoint records, if any: one report (collective)
 
     def _open_records(self) -> None:
         """After the attempt's first step: what start-up would otherwise read and write in storage between a fault
@@ -234,11 +236,12 @@ class WorkerRun:
         communication-failure diagnosis removed (rank 0; the others have nothing to do)."""
         if self.rank != 0:
             return
-        self.log.open()
+        self.records.open()
         self.downstream.open(logged=self.log.history)
         self.cadence.seed([r["ckpt_stall_s"] for r in self.log.history if isinstance(r.get("ckpt_stall_s"), (int, float))])
         if self.from_memory is not None and self.from_memory.record is not None:
             RunDir(self.cfg.run_uri).append_jsonl(RESTORES, self.from_memory.record)
+
         self.comm.retract()  # an earlier attempt's diagnosis must not explain this one's end
 
     def roll_back(self, bad) -> None:
@@ -249,7 +252,8 @@ class WorkerRun:
                                run_uri=self.cfg.run_uri, global_batch=self.cfg.global_batch)
         self.data.run_until(self.cfg.run.max_steps - self.state.step)  # the steps since the checkpoint are trained again
         self.log.rewind(self.state.step)
-        self.log.write({"step": self.state.step, "event": "rollback", **self.tel.rolled_back[-1]}, sync=True)
+        self.records.write({"step": self.state.step, "event": "rollback", **self.tel.rolled_back[-1]}, "rollback",
+                           sync=True)
         self.window.reset()
         self.tel.timer.take(1)
 
@@ -263,12 +267,13 @@ class WorkerRun:
         self._log_downstream(self.downstream.poll(self.writer.committed, final=True)
                              + self.downstream.drain(self.cfg.eval.wait_at_end_s))
         self.attempt.close()
+        tracked = self.records.close()  # TensorBoard's last copy; the trackers' last records sent
         if self.rank == 0:
             self.log.write_summary(self.cfg, self.state, checkpoint=self.writer.committed or self.resumed_from,
                                    params=self.n_params,
-                                   extra={**self.tel.summary(), **data_stats, **self.downstream.summary(), **(
-                                       {"trainable_params": lora.trainable_count(self.engine.module)}
-                                       if self.lora_base is not None else {})})
+                                   extra={**self.tel.summary(), **data_stats, **self.downstream.summary(), **tracked,
+                                          **({"trainable_params": lora.trainable_count(self.engine.module)}
+                                             if self.lora_base is not None else {})})
         self.tel.close()
         self.comm.close()
 
@@ -295,7 +300,6 @@ class WorkerRun:
         n_params, n_active = param_counts(model, cfg.model)  # active per token (MoE: top-k experts): the FLOPs behind MFU
         model, self.lora_base = lora.prepare_model(model, cfg.model, seed=cfg.run.seed)  # peft when model.lora.r > 0
         self.boot["model"] = time.time()
-        set_muon_aside(ds_config)  # DeepSpeed's Muon module compiles kernels at import: 1.4 s of every start-up
         with no_stdout():
             engine, _, _, _ = deepspeed.initialize(
                 model=model, model_parameters=param_groups(model, cfg.optim.weight_decay), config=ds_config,
@@ -303,6 +307,34 @@ class WorkerRun:
                 dist_init_required=False)
         compile_engine(engine, cfg.model)
         return engine, n_params, n_active
+
+    def _vote_on_memory(self):
+        """Before any collective of the restore: every rank says whether it can apply its snapshot (one small
+        all-gather). If any cannot, every rank restores from storage instead (the resume point it returns), one
+        warning says why, and restores.jsonl records it; snapshots of this timeline are not offered again."""
+        cfg, rank = self.cfg, self.rank
+        refused = agree_apply(check_snapshot(self.engine, self.from_memory.state, self.faults), rank, self.world)
+        if refused is None:
+            return None
+        step = self.from_memory.step
+        self.from_memory = None
+        self.memory.invalidate(everywhere=True)
+        if rank == 0:  # the restore goes to storage anyway: written now, before the storage restore's own line
+            RunDir(cfg.run_uri).append_jsonl(RESTORES, {"source": "memory", "step": step, "ok": False,
+                                                        "reason": refused, "time": round(time.time(), 3)})
+        resumed = find_resume_point(cfg.run_uri, rank, deep=cfg.checkpoint.verify_on_resume == "checksum",
+                                    local_dir=cfg.checkpoint.local_dir,
+                                    tensor_parallel=cfg.deepspeed.tensor_parallel_size > 1)
+        where = f"checkpoint {dir_name(peek_state(resumed).step)}" if resumed is not None else "nothing"
+        if rank == 0:
+            say(f"warning: memory snapshot of step {step} not applied ({refused}); every rank restores from {where} "
+                "in storage")
+        if resumed is None or peek_state(resumed).world_size != self.world:
+            # The engine was built to be overwritten (no random init) at this world size: a new attempt builds
+            # the right one, and these snapshots are gone, so it starts from storage.
+            raise RuntimeError(f"memory snapshot of step {step} not applied ({refused}); restarting to restore "
+                               f"from {where} in storage")
+        return resumed
 
     def _restore(self, resumed, earlier_attempts: int) -> TrainState:
         """Engine, RNG and counters from the resume point (collective), or a fresh state."""
@@ -370,10 +402,10 @@ class WorkerRun:
         return rec
 
     def _log_downstream(self, recs: list[dict]) -> None:
-        """Finished downstream evaluations, at their checkpoints' steps: metrics.jsonl, trackers, Prometheus."""
+        """Finished downstream evaluations, at their checkpoints' steps (rank 0): the sinks with history, Prometheus."""
         for rec in recs:
-            self.tel.observe(rec)
-            self.log.write(rec, sync=True)
+            self.tel.health.check_log(rec)
+            self.records.write(rec, "downstream", sync=True)
             say(f"downstream evaluation of step {rec['step']}: " + ", ".join(
                 f"{k[5:]} {v:.4f}" for k, v in rec.items() if k.startswith("eval/") and "_stderr" not in k))
 
@@ -385,9 +417,9 @@ class WorkerRun:
         stall = self.writer.last_stall_s
         self.tel.checkpoint_saved(stall)
         self.cadence.saved(stall)
-        self.log.write({"step": self.state.step, "checkpoint": name, "ckpt_stall_s": stall,
-                        "ckpt_mode": self.cfg.checkpoint.upload, "preemption_checkpoint": preempted is not None,
-                        **self.cadence.record()})
+        self.records.write({"step": self.state.step, "checkpoint": name, "ckpt_stall_s": stall,
+                            "ckpt_mode": self.cfg.checkpoint.upload, "preemption_checkpoint": preempted is not None,
+                            **self.cadence.record()}, "checkpoint")
         self.log.checkpoint = name
 
     def _leave_for_preemption(self) -> None:

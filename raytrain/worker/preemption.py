@@ -17,7 +17,14 @@ import time
 from typing import Optional
 
 from raytrain.errors import first_line
-from raytrain.worker.runlog import say
+from raytrain.internals.registry import fell_back, gate
+from raytrain.internals.ray import PREEMPTION_INFO, local_preemption_info
+from raytrain.console import say
+
+
+# Where Ray's public preemption call stands in for the local read: a round trip through the controller, so not
+# every step. A degraded mode: at several seconds a step, ten steps can outlast a drain's notice (SIGTERM still works).
+PUBLIC_POLL_STEPS = 10
 
 
 class PreemptionNotice:
@@ -25,6 +32,7 @@ class PreemptionNotice:
         self.rank, self.enabled = rank, enabled
         self.pending: Optional[str] = None
         self._info_broken = False
+        self._local = gate(PREEMPTION_INFO)  # else Ray's public (remote, barrier) call, every PUBLIC_POLL_STEPS
         self.sigterm = _SIGTERM
         self._drain_seen = self._sigterm_seen = False
         self.deadline_ms: Optional[int] = None
@@ -44,12 +52,15 @@ class PreemptionNotice:
             say(f"warning: rank {self.rank}: SIGTERM handler not installed ({first_line(e)}); only drain "
                 "notices will trigger a preemption checkpoint")
 
-    def flags(self) -> tuple[bool, bool]:
+    def flags(self, step: int) -> tuple[bool, bool]:
         """(SIGTERM seen here, drain notice seen here) not yet agreed on: this rank's part of the step's vote.
         No Ray call: Ray Train's preemption watcher pushes a drain notice into every worker's own train
-        context, which is read here locally."""
+        context, which is read here locally (where Ray's internals differ: Ray's public call, every
+        PUBLIC_POLL_STEPS steps, the same steps on every rank since it is a barrier)."""
         sig = self.enabled and self.sigterm.is_set() and not self._sigterm_seen
-        drain = self.enabled and not self._drain_seen and self._local_info() is not None
+        drain = False
+        if self.enabled and not self._drain_seen:
+            drain = (self._local_info() if self._local else self._public_info(step)) is not None
         return sig, drain
 
     def heard(self, sig: bool, drain: bool) -> None:
@@ -59,7 +70,9 @@ class PreemptionNotice:
             self.pending = self.pending or "SIGTERM"
         if drain and not self._drain_seen:
             self._drain_seen = True
-            info = self._local_info(wait_s=10.0)  # another rank may have been told a moment earlier
+            # Another rank may have been told a moment earlier. (Every rank gets here at the same step: the public
+            # call, a barrier, is made the same number of times on each.)
+            info = self._local_info(wait_s=10.0) if self._local else self._public_info(None)
             self.deadline_ms = info.deadline_ms if info is not None else None
             left = f", {info.deadline_ms / 1000 - time.time():.0f}s before the deadline" if info and info.deadline_ms else ""
             ranks = info.preempted_ranks if info is not None else "?"
@@ -74,6 +87,24 @@ class PreemptionNotice:
         reason, self.pending = self.pending, None
         return reason
 
+    def _public_info(self, step: Optional[int]):
+        """Ray's public preemption info (a barrier through the controller): at `step`s that are multiples of
+        PUBLIC_POLL_STEPS, or now (None)."""
+        if self._info_broken or (step is not None and step % PUBLIC_POLL_STEPS):
+            return None
+        import ray.train
+
+        try:
+            return ray.train.get_preemption_info()
+        except Exception as e:  # noqa: BLE001 - e.g. no Train context: SIGTERM still works
+            self._broken(e)
+            return None
+
+    def _broken(self, e: BaseException) -> None:
+        self._info_broken = True
+        if self.rank == 0:
+            say(f"warning: preemption notices unavailable ({first_line(e)}); SIGTERM still works")
+
     def _local_info(self, wait_s: float = 0.0):
         """This worker's copy of Ray Train's preemption info (None: no drain), read without any remote call."""
         if self._info_broken:
@@ -81,13 +112,10 @@ class PreemptionNotice:
         deadline = time.monotonic() + wait_s
         while True:
             try:
-                from raytrain.ray_internals import train_context
-
-                info = train_context().preemption_context.preemption_info
-            except Exception as e:  # noqa: BLE001 - e.g. no Train context: SIGTERM still works
-                self._info_broken = True
-                if self.rank == 0:
-                    say(f"warning: preemption notices unavailable ({first_line(e)}); SIGTERM still works")
+                info = local_preemption_info()
+            except Exception as e:  # noqa: BLE001
+                fell_back(PREEMPTION_INFO, e)
+                self._local = False  # from the next step on: Ray's public call
                 return None
             if info is not None or time.monotonic() >= deadline:
                 return info

@@ -18,6 +18,7 @@ import time
 from typing import Any, Optional
 
 from raytrain import storage
+from raytrain.console import say
 from raytrain.rundir import ATTEMPTS, METRICS, PROGRESS, SUMMARY, RunDir
 # The least time between two writes, and so how many steps a killed attempt may have done unrecorded:
 # on object storage one small PUT every 2 s at most (about $0.2 a day at S3 prices); a local file can
@@ -27,12 +28,6 @@ REFRESH_S = 1.0
 # The loop has stopped when it has made no step for STALL_STEPS times the median of its last STALL_WINDOW
 # step gaps (at least STALL_MIN_S): the heartbeat then says so at once, outside the write interval.
 STALL_STEPS, STALL_WINDOW, STALL_MIN_S = 3, 8, 0.05
-
-
-def say(msg: str) -> None:
-    """A console line from a worker. Not print(): Ray Train v2 patches print to log *and* echo it."""
-    sys.stdout.write(f"[raytrain] {msg}\n")
-    sys.stdout.flush()
 
 
 def _fmt(v: Any) -> Any:
@@ -80,9 +75,8 @@ def progress_line(rec: dict, max_steps: int, start_step: int, elapsed: float, tt
 
 class RunLog:
     def __init__(self, run_uri: str, max_steps: int, resumed_step: int, enabled: bool, progress_every: int = 1,
-                 *, trackers=None, tail: tuple = ()):
+                 *, tail: tuple = ()):
         self.run_uri, self.max_steps, self.enabled = run_uri, max_steps, enabled
-        self.trackers = trackers  # W&B / MLflow (worker/trackers.py): every record written here goes there too
         self.progress_every = progress_every
         self.checkpoint: Optional[str] = None  # the newest checkpoint saved, named on the progress line
         self.remote = storage.is_remote(run_uri)
@@ -110,8 +104,6 @@ class RunLog:
         with open(self._local, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in self._history)
         self.sync()
-        for r in self._history if self.trackers is not None else ():
-            self.trackers.write(r)  # what a killed attempt wrote but had not sent yet (the trackers skip what they hold)
 
     @property
     def history(self) -> list[dict]:
@@ -119,18 +111,19 @@ class RunLog:
         self.open()
         return self._history
 
-    def write(self, rec: dict, sync: Optional[bool] = None) -> None:
+    def write(self, rec: dict, sync: Optional[bool] = None) -> Optional[dict]:
+        """Appends the record (worker/records.py's RecordWriter hands it over); returns it as written, or None
+        where disabled (ranks other than 0)."""
         if not self.enabled:
-            return
+            return None
         # Wall-clock time on every line: recovery time after a failure is read off these.
         rec = {**{k: _fmt(v) for k, v in rec.items()}, "time": round(time.time(), 3)}
         self.history.append(rec)  # (opens the log first)
         with open(self._local, "a") as f:
             f.write(json.dumps(rec) + "\n")
-        if self.trackers is not None:
-            self.trackers.write(rec)
         if sync or (sync is None and not self.remote):
             self.sync()
+        return rec
 
     def sync(self) -> None:
         if self.enabled:
@@ -188,10 +181,8 @@ class RunLog:
             "preemptions": state.preemptions,
             "checkpoint": storage.join(cfg.run_uri, checkpoint) if checkpoint else None,
             "mfu": self.last("mfu"),
-            **extra,  # health: rollbacks, violations per rule; data counters
+            **extra,  # health: rollbacks, violations per rule; data counters; the trackers' runs
         }
-        if self.trackers is not None and self.trackers.trackers:
-            summary["trackers"] = self.trackers.close(finished=True)
         self.sync()
         RunDir(cfg.run_uri).write_json(SUMMARY, summary)
 

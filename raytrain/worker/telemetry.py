@@ -1,5 +1,6 @@
-"""What the training loop calls at its log steps: phase timers, MFU, memory, the exporters and the health rules.
-The loop stays "take a batch, step the engine"; everything observed is here (the rollback is raytrain/ckpt/rollback.py).
+"""What the training loop calls at its log steps: phase timers, MFU, memory, the Prometheus exporter, the health rules.
+Records reach TensorBoard, Prometheus and the other sinks through worker/records.py.
+The loop stays "take a batch, step the engine"; everything observed is here (the rollback is raytrain/worker/rollback.py).
 """
 
 from __future__ import annotations
@@ -8,7 +9,6 @@ import contextlib
 import dataclasses
 import math
 import os
-import tempfile
 import time
 from typing import Optional
 
@@ -16,7 +16,7 @@ import torch
 
 from raytrain.config import Config
 from raytrain.errors import UserError
-from raytrain.rundir import HEALTH, TENSORBOARD, RunDir
+from raytrain.rundir import HEALTH, RunDir
 from raytrain.worker.health import HealthMonitor, Thresholds
 from raytrain.worker.metrics import PHASES, RayMetrics
 
@@ -38,7 +38,7 @@ def peak_tflops(cfg: Config, device_name: Optional[str]) -> float:
             if key.lower() in device_name.lower():
                 return value
         return 100.0  # an unknown GPU: a round figure; set metrics.peak_tflops for a real MFU
-    return cfg.metrics.cpu_peak_tflops or measured_cpu_peak_tflops(torch.get_num_threads())
+    return measured_cpu_peak_tflops(torch.get_num_threads())
 
 
 def measured_cpu_peak_tflops(threads: int, n: int = 512) -> float:
@@ -167,45 +167,11 @@ class Window:
         self.timer.add("data_wait", waited)
 
 
-class TensorBoard:
-    """Rank 0's event files in <run>/tensorboard/ (written locally, copied to object storage at syncs)."""
-
-    def __init__(self, run_uri: str):
-        from tensorboardX import SummaryWriter
-
-        from raytrain import storage
-
-        self.run_uri, self.remote = run_uri, storage.is_remote(run_uri)
-        self.dir = tempfile.mkdtemp(prefix="raytrain-tb-") if self.remote else \
-            storage.resolve(RunDir(run_uri).uri(TENSORBOARD))[1]
-        os.makedirs(self.dir, exist_ok=True)
-        self.writer = SummaryWriter(self.dir, flush_secs=5)
-
-    def write(self, rec: dict) -> None:
-        step = rec["step"]
-        for k, v in rec.items():
-            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-                self.writer.add_scalar(k, v, step)
-
-    def sync(self) -> None:
-        from raytrain import storage
-
-        self.writer.flush()
-        if self.remote:
-            for name in os.listdir(self.dir):
-                storage.upload_file(os.path.join(self.dir, name), RunDir(self.run_uri).uri(TENSORBOARD, name))
-
-    def close(self) -> None:
-        self.sync()
-        self.writer.close()
-
-
 class Telemetry:
     def __init__(self, cfg: Config, rank: int, world: int, cuda: bool, flops_per_token: float, log=print):
         self.cfg, self.rank, self.world, self.cuda, self.fpt = cfg, rank, world, cuda, flops_per_token
         self.peak = peak_tflops(cfg, torch.cuda.get_device_name() if cuda else None)
         self.metrics = RayMetrics(cfg.run.name, rank, enabled=cfg.metrics.prometheus)
-        self.tb = TensorBoard(cfg.run_uri) if (cfg.metrics.tensorboard and rank == 0) else None
         self.timer = PhaseTimer(cuda)
         self.checkpoints = 0
         self.rollbacks = 0
@@ -232,23 +198,12 @@ class Telemetry:
             add["mfu"] = rec["tflops_per_worker"] / self.peak
         return add
 
-    def observe(self, rec: dict, sync: bool = False) -> None:
-        """A finished record (log and/or eval step): warning rules, then Prometheus and TensorBoard."""
-        self.health.check_log(rec)
-        self.metrics.record(rec)
-        if self.tb:
-            self.tb.write(rec)
-            if sync:
-                self.tb.sync()
-
     def summary(self) -> dict:
         return {"rollbacks": self.rollbacks, "rolled_back": self.rolled_back, "checkpoints_saved": self.checkpoints,
                 "health_violations": dict(self.health.counts), "health_first": dict(self.health.first)}
 
     def close(self) -> None:
         self.metrics.close()
-        if self.tb:
-            self.tb.close()
 
 
 @contextlib.contextmanager

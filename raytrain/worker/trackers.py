@@ -115,7 +115,9 @@ class MlflowBackend:
         for i in range(0, len(params), 100):  # MLflow's limit per batch
             c.log_batch(self.run_id, params=params[i:i + 100])
         c.log_batch(self.run_id, tags=[RunTag("raytrain.restarts", str(restarts))])
-        return {m.key: m.step for m in run.data._metric_objs}
+        # The newest step of each metric it holds (the run's latest values carry no step in the public API).
+        return {key: max((m.step for m in c.get_metric_history(self.run_id, key)), default=0)
+                for key in run.data.metrics}
 
     def where(self) -> dict:
         return {"run_id": self.run_id, "tracking_uri": self.uri, "key": self.key}

@@ -35,7 +35,7 @@ class StepAgreement:
         carry = self.notice.enabled or self.cadence.agreed
         v = loss.detach().float().reshape(1).to(self.device)
         if carry:
-            sig, drain = self.notice.flags()
+            sig, drain = self.notice.flags(step)
             want = self.cadence.agreed and self.rank == 0 and self.cadence.due(step)
             v = torch.cat([v, torch.tensor([float(sig), float(drain), float(want)], device=v.device)])
         if self.world > 1:

@@ -112,7 +112,7 @@ def run_workers(n: int, overrides: dict, pythonpath: str, timeout_s: float = 180
 def memory(log: Callable = print, workers: tuple[int, ...] = (1, 2, 4), pythonpath: Optional[str] = None) -> list[dict]:
     """Peak host RSS above the after-import RSS, per worker, at 1, 2 and 4 workers; ratios against 1 worker, and
     the decomposition peak(N) = fixed + states / N fitted to the three points."""
-    from benchkit.parts import figure
+    from benchkit.parts import figure, measured
 
     root = pythonpath or os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     peaks, detail = {}, {}
@@ -140,14 +140,14 @@ def memory(log: Callable = print, workers: tuple[int, ...] = (1, 2, 4), pythonpa
     for n, target in ((2, 0.6), (4, 0.33)):
         if n in peaks:
             figs.append(figure("6 memory", f"peak host RSS per worker, {n} workers, ZeRO-3 {params / 1e6:.0f}M",
-                               peaks[n] / 2**20, "MiB", "1 worker", one / 2**20, target=f"<= {target}x 1 worker",
+                               peaks[n] / 2**20, "MiB", "1 worker", measured(one / 2**20), target=f"<= {target}x 1 worker",
                                met=peaks[n] <= target * one, workers=detail[n]))
     builds = {n: max(r["build"] for r in detail[n]) for n in workers}
     for n in workers[1:]:
         figs.append(figure("6 memory", f"RSS growth while the model is built, per worker, {n} workers", builds[n] / 2**20,
-                           "MiB", "1 worker", builds[workers[0]] / 2**20, zero_init=detail[n][0]["zero_init"]))
+                           "MiB", "1 worker", measured(builds[workers[0]] / 2**20), zero_init=detail[n][0]["zero_init"]))
     figs.append(figure("6 memory", "fixed per worker (fit: peak = fixed + states / N)", a / 2**20, "MiB",
-                       "states divided among N", b / 2**20, bytes_per_param=b / params, params=params,
+                       "states divided among N (same fit)", measured(b / 2**20), bytes_per_param=b / params, params=params,
                        peaks_mib={n: p / 2**20 for n, p in peaks.items()}))
     return figs
 
@@ -182,7 +182,7 @@ def whole_run(tmp: str, log: Callable = print, workers: tuple[int, ...] = (1, 2,
 
     import ray
 
-    from benchkit.parts import figure, prepare_data, train_cfg
+    from benchkit.parts import figure, measured, prepare_data, train_cfg
     from raytrain.trainer import train
 
     data = prepare_data(os.path.join(tmp, "rss-data"), 300_000, seq_len=32)
@@ -215,5 +215,5 @@ def whole_run(tmp: str, log: Callable = print, workers: tuple[int, ...] = (1, 2,
     part = "8c memory" if snapshots else "8b memory"
     return [figure(part, f"whole-run peak RSS of the largest worker above a 1-layer run, {n} workers, "
                    f"ZeRO-3 57M ({what})", above[n] / 2**20, "MiB", "1 worker",
-                   above[workers[0]] / 2**20, target=f"<= {t}x 1 worker", met=above[n] <= t * above[workers[0]])
+                   measured(above[workers[0]] / 2**20), target=f"<= {t}x 1 worker", met=above[n] <= t * above[workers[0]])
             for n, t in ((2, 0.6), (4, 0.33)) if n in above]

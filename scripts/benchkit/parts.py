@@ -1,8 +1,11 @@
 """The five benchmark parts. Each returns figures measured beside their baseline in the same run.
 
-A figure is a dict: {"part", "name", "value", "unit", "baseline", "baseline_value", "ratio", "target", "met"}
-plus free-form detail. `ratio` is value / baseline_value (or the stated comparison); `target` says what the
-issue asks of it. Everything runs on 127.0.0.1: a local Ray instance, a moto S3-protocol server, local disk.
+A figure is a dict: {"part", "name", "value", "unit", "baseline", "baseline_value", "ratio", "target",
+"reference", "met"} plus free-form detail. `baseline_value` is only ever a figure measured in the same run (a
+`Measured`, from `measured(x)`; figure() refuses anything else) and `ratio` is value / baseline_value. A target
+or a constant (a configured interval, N, 1.0) is not a baseline: it goes in `target` (what the issue asks) or
+`reference` (a constant to read the figure against, e.g. what the code did before), and those print in their
+own column. Everything runs on 127.0.0.1: a local Ray instance, a moto S3-protocol server, local disk.
 """
 
 from __future__ import annotations
@@ -19,12 +22,33 @@ from raytrain import storage
 from raytrain.rundir import ATTEMPTS, METRICS, RunDir
 
 
-def figure(part: str, name: str, value: Optional[float], unit: str, baseline: str, baseline_value: Optional[float],
-           target: str = "", ratio: Optional[float] = None, met: Optional[bool] = None, **detail) -> dict:
+class Measured(float):
+    """A baseline figure measured in the same run as the figure it stands beside: the only thing a baseline
+    cell may hold. Targets and constants are not Measured; they go in a figure's `target` / `reference`."""
+
+    __slots__ = ()
+
+
+def measured(x: Optional[float]) -> Optional[Measured]:
+    """Marks `x` as measured in this run (None stays None: not measured, printed as "-")."""
+    return None if x is None else Measured(x)
+
+
+def figure(part: str, name: str, value: Optional[float], unit: str, baseline: str = "",
+           baseline_value: Optional[Measured] = None, target: str = "", ratio: Optional[float] = None,
+           met: Optional[bool] = None, *, reference: str = "", **detail) -> dict:
+    """One row. `baseline_value` must come from measured() (same run); a target or constant goes in `target` or
+    `reference`, never in the baseline, and no ratio is taken against it."""
+    if baseline_value is not None and not isinstance(baseline_value, Measured):
+        raise TypeError(f"{name}: baseline_value {baseline_value!r} is not marked measured: a baseline is a figure "
+                        "measured in the same run (measured(x)); a target or constant goes in target= or reference=")
+    if ratio is not None and baseline_value is None:
+        raise ValueError(f"{name}: a ratio is value / a baseline measured in the same run; this figure has none")
     if ratio is None and value is not None and baseline_value:
         ratio = value / baseline_value
     return {"part": part, "name": name, "value": value, "unit": unit, "baseline": baseline,
-            "baseline_value": baseline_value, "ratio": ratio, "target": target, "met": met, **detail}
+            "baseline_value": baseline_value, "ratio": ratio, "target": target, "reference": reference, "met": met,
+            **detail}
 
 
 # ----------------------------------------------------------------------------------------------- setup
@@ -104,7 +128,7 @@ def overhead(data: str, tmp: str, quick: bool, log: Callable = print) -> tuple[l
             log(f"  decomposition: DeepSpeed engine alone (1 process, raytrain's ZeRO-{cfg.deepspeed.zero_stage} config, "
                 f"no Ray) {ds:,.0f} tokens/s = {ds / base:.3f} of the plain loop; raytrain = {rt / ds:.3f} of that")
             figs.append(figure("1 overhead", "DeepSpeed engine alone tokens/s, 1 process (no Ray)", ds, "tokens/s",
-                               base_name, base, target="(decomposition)"))
+                               base_name, measured(base), target="(decomposition)"))
             # What raytrain's loop itself adds per step: the step time its phase timers do not account for
             # (batch slicing and fingerprint, health check, preemption poll, log steps), in the steady windows.
             own = statistics.median([r["step_time_s"] - sum(v for k, v in r.items() if k.startswith("phase_"))
@@ -112,10 +136,12 @@ def overhead(data: str, tmp: str, quick: bool, log: Callable = print) -> tuple[l
             step_s = statistics.median([r["step_time_s"] for r in recs[1:] or recs])
             log(f"  decomposition: raytrain's loop's own work {own * 1e3:.2f} ms of a {step_s * 1e3:.1f} ms step "
                 f"({own / step_s:.1%}; the rest is forward/backward, optimizer step and data wait)")
+            # Beside the step time of the same windows (measured): the ratio is the share of the step.
             figs.append(figure("1 overhead", "raytrain loop's own work per step (step time - timed phases), 1 worker",
-                               own / step_s, "fraction", "step time", 1.0, target="(decomposition)",
-                               own_ms=own * 1e3, step_ms=step_s * 1e3))
-        figs.append(figure("1 overhead", f"raytrain tokens/s, {workers} worker(s)", rt, "tokens/s", base_name, base,
+                               own * 1e3, "ms", "step time, same windows (median)", measured(step_s * 1e3),
+                               target="(decomposition)", own_ms=own * 1e3, step_ms=step_s * 1e3))
+        figs.append(figure("1 overhead", f"raytrain tokens/s, {workers} worker(s)", rt, "tokens/s", base_name,
+                           measured(base),
                            target=">= 0.95" if workers == 1 else "(no target)",
                            met=(rt / base >= 0.95) if workers == 1 else None,
                            windows=[r["tokens_per_s"] for r in recs], baseline_windows=[b1, b2],
@@ -183,7 +209,7 @@ def ingest(data: str, epochs: int, train_runs: Optional[dict] = None, log: Calla
         f"pyarrow read {raw:,.0f} tokens/s | ratio {ratio:.2f} (target >= 0.8) | read amplification "
         f"{counters['rows_read'] / counters['rows_trained']:.3f}")
     figs = [figure("2 ingest", "training reader tokens/s (PlannedReader, plan order)", tps, "tokens/s",
-                   "raw pyarrow.parquet read_table of the same shards", raw, target=">= 0.8", met=ratio >= 0.8,
+                   "raw pyarrow.parquet read_table of the same shards", measured(raw), target=">= 0.8", met=ratio >= 0.8,
                    startup_s=startup, samples=n, epochs=epochs, sha256=digest, best_of=3)]
     for workers, recs in sorted((train_runs or {}).items()):
         waits = [r["data_wait_frac"] for r in recs[1:] or recs]
@@ -191,9 +217,9 @@ def ingest(data: str, epochs: int, train_runs: Optional[dict] = None, log: Calla
         frac = statistics.median(waits)
         log(f"  training, {workers} worker(s): data wait {frac:.3%} of step time (median window; max {max(waits):.3%}) "
             f"| training consumed {consumed:,.0f} tokens/s, the reader delivers {figs[0]['value']:,.0f}")
+        # No baseline: 0.01 is the target, not a figure of this run.
         figs.append(figure("2 ingest", f"data wait, fraction of step time ({workers} worker(s))", frac, "fraction",
-                           "target", 0.01, target="<= 0.01", ratio=frac / 0.01, met=frac <= 0.01,
-                           max_window=max(waits), windows=waits))
+                           target="<= 0.01", met=frac <= 0.01, max_window=max(waits), windows=waits))
     return figs
 
 
@@ -293,7 +319,7 @@ def checkpoint(tmp: str, bucket: str, total_bytes: int, reps: int, log: Callable
         log(f"  {what}: raytrain.storage {rt / mb:,.1f} MB/s | boto3 {'upload_file' if what == 'save' else 'download_file'} "
             f"{bo / mb:,.1f} MB/s | ratio {rt / bo:.2f}  ({size / mb:.0f} MB, best of {reps})")
         figs.append(figure("3 checkpoint", f"{what} MB/s via raytrain.storage", rt / mb, "MB/s",
-                           f"raw boto3 {'upload_file' if what == 'save' else 'download_file'}", bo / mb,
+                           f"raw boto3 {'upload_file' if what == 'save' else 'download_file'}", measured(bo / mb),
                            target=">= 0.9", met=rt / bo >= 0.9, bytes=size, reps=reps,
                            runs=[x / mb for x in runs[f"rt_{what}"]], baseline_runs=[x / mb for x in runs[f"boto_{what}"]]))
     # Decomposition of the save gap: pyarrow's AWS SDK sends each part as an aws-chunked body with a trailing
@@ -312,14 +338,14 @@ def checkpoint(tmp: str, bucket: str, total_bytes: int, reps: int, log: Callable
     log(f"  save, both without streaming checksums (AWS_REQUEST_CHECKSUM_CALCULATION=when_required): "
         f"raytrain.storage {rt / mb:,.1f} MB/s | boto3 {bo / mb:,.1f} MB/s | ratio {rt / bo:.2f}")
     figs.append(figure("3 checkpoint", "save MB/s, both clients with AWS_REQUEST_CHECKSUM_CALCULATION=when_required",
-                       rt / mb, "MB/s", "raw boto3 upload_file, same setting", bo / mb, target="(decomposition)",
+                       rt / mb, "MB/s", "raw boto3 upload_file, same setting", measured(bo / mb), target="(decomposition)",
                        bytes=size, reps=reps, runs=[x / mb for x in plain["rt_save"]],
                        baseline_runs=[x / mb for x in plain["boto_save"]]))
 
     stalls, uploads = {}, {}
     for mode in ("sync", "async"):
         c = Config().checkpoint.model_copy(update={"upload": mode, "keep_last": 2, "upload_retries": 0,
-                                                   "staging_dir": os.path.join(tmp, "staging")})
+                                                   "local_dir": tmp})
         w = CheckpointWriter(c, run_uri=f"s3://{bucket}/{prefix}/stall-{mode}", rank=0, world=1)
         stalls[mode] = []
         for step in range(1, reps + 1):
@@ -332,7 +358,7 @@ def checkpoint(tmp: str, bucket: str, total_bytes: int, reps: int, log: Callable
     a, s = min(stalls["async"]), min(stalls["sync"])
     log(f"  training stall per save: async upload {a:.2f}s | sync upload {s:.2f}s | ratio {a / s:.3f} "
         f"(async upload then ran {uploads['async']:.2f}s in the background)")
-    figs.append(figure("3 checkpoint", "training stall of an async-upload save", a, "s", "sync-upload save", s,
+    figs.append(figure("3 checkpoint", "training stall of an async-upload save", a, "s", "sync-upload save", measured(s),
                        target="<= 0.10", met=a / s <= 0.10, stalls=stalls, bytes=size,
                        background_upload_s=uploads["async"]))
     shutil.rmtree(src, ignore_errors=True)
@@ -387,14 +413,16 @@ def recovery(data: str, tmp: str, quick: bool, log: Callable = print) -> list[di
         log(f"  {label} start-up, seconds from the train function's start: {steps_}, first step "
             f"{att['first_step_time'] - att['time']:.1f}")
     return [figure("4 recovery", "seconds from worker kill to first resumed step", rec_s, "s",
-                   "fresh start, worker start to first step", fresh_start, target="<= 20 s", met=rec_s <= 20,
+                   "fresh start, worker start to first step", measured(fresh_start), target="<= 20 s", met=rec_s <= 20,
                    respawn_s=respawn, resumed_start_to_first_step_s=resumed["first_step_time"] - resumed["time"],
                    submit_to_first_step_s=fresh["first_step_time"] - t, attempts=attempts),
+            # No baseline: the checkpoint interval is the run's setting (the bound), not a measured figure.
             figure("4 recovery", "steps lost (redone after the kill)", lost, "steps",
-                   "checkpoint interval", every, target=f"< checkpoint interval ({every})", met=lost < every,
-                   killed_at_step=kill, resumed_step=resumed["resumed_step"]),
+                   target=f"< checkpoint interval ({every})", met=lost < every,
+                   killed_at_step=kill, resumed_step=resumed["resumed_step"], checkpoint_every=every),
             figure("4 recovery", f"tokens/s over the {window} steps after the resume", after, "tokens/s",
-                   f"the {window} steps before the kill, same run", before, target=">= 0.9x", met=after >= 0.9 * before,
+                   f"the {window} steps before the kill, same run", measured(before), target=">= 0.9x",
+                   met=after >= 0.9 * before,
                    window_steps=window)]
 
 
@@ -441,7 +469,7 @@ def snapshot_cost(data: str, tmp: str, quick: bool, log: Callable = print) -> li
         f"{statistics.median(on):,.0f} / {statistics.median(off):,.0f} = {ratio:.3f}; snapshot stall median "
         f"{statistics.median(stalls) * 1e3:.1f} ms, max {max(stalls) * 1e3:.1f} ms")
     return [figure("4c recovery", "tokens/s, memory snapshots every step vs none (interleaved windows, one run)",
-                   statistics.median(on), "tokens/s", "no snapshots, same run", statistics.median(off),
+                   statistics.median(on), "tokens/s", "no snapshots, same run", measured(statistics.median(off)),
                    target=">= 0.97x", met=ratio >= 0.97, windows_on=on, windows_off=off, stalls_s=stalls)]
 
 
@@ -475,7 +503,8 @@ def recovery_kills(data: str, tmp: str, quick: bool, log: Callable = print) -> l
         f"{n} {statistics.median(r['phases'][n] for r in rows):.2f}" for n in names))
     return [figure("4 recovery", f"median seconds from a worker kill to the first resumed step ({kills} kills)", med,
                    "s", "the same run's fresh start, worker start to first step",
-                   attempts[0]["first_step_time"] - attempts[0]["time"], target="<= 8 s", met=med <= 8, kills=rows,
+                   measured(attempts[0]["first_step_time"] - attempts[0]["time"]), target="<= 8 s", met=med <= 8,
+                   kills=rows,
                    median_phases_s={n: statistics.median(r["phases"][n] for r in rows) for n in names})]
 
 # -------------------------------------------------------------------------------------------- 5. GPU
@@ -531,11 +560,11 @@ def gpu(tmp: str, quick: bool, log: Callable = print) -> list[dict]:
         log(f"    memory snapshots every step vs none: {rt:,.0f} / {rt_off:,.0f} tokens/s = {rt / rt_off:.3f}; "
             f"snapshot stall median {statistics.median(stalls) if stalls else float('nan'):.4f} s")
         figs.append(figure("5 gpu", f"MFU {name}, bf16, SDPA", mfu, "fraction of peak", "plain PyTorch + DeepSpeed",
-                           base_mfu, target=f">= {target:.0%} MFU, >= 0.97 of plain",
+                           measured(base_mfu), target=f">= {target:.0%} MFU, >= 0.97 of plain",
                            met=mfu >= target and mfu / base_mfu >= 0.97, params=n, tokens_per_s=rt,
                            baseline_tokens_per_s=base, device=torch.cuda.get_device_name()))
         figs.append(figure("5 gpu", f"tokens/s {name}, memory snapshots every step", rt, "tokens/s",
-                           "no memory snapshots", rt_off, target=">= 0.97x", met=rt / rt_off >= 0.97,
+                           "no memory snapshots", measured(rt_off), target=">= 0.97x", met=rt / rt_off >= 0.97,
                            snapshot_stalls_s=stalls))
     return figs
 

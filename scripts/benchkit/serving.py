@@ -186,7 +186,7 @@ def served(model_dir: str, texts: list[str], warmup: int, tmp: str) -> dict:
 
 
 def serve(tmp: str, data: str, quick: bool, log: Callable = print) -> list[dict]:
-    from benchkit.parts import figure
+    from benchkit.parts import figure, measured
 
     n, warmup = (48, 8) if quick else (200, 16)
     model_dir = demo_model(tmp, data)
@@ -199,7 +199,7 @@ def serve(tmp: str, data: str, quick: bool, log: Callable = print) -> list[dict]
     srv = served(model_dir, texts, warmup, tmp)
     base = pooled([before, baseline()])
     figs = [figure("9 serve", "cold: first request after deploy", srv["cold_ms"], "ms",
-                   "plain generate, first call after loading", base["cold_ms"], target="(kept apart from warm)",
+                   "plain generate, first call after loading", measured(base["cold_ms"]), target="(kept apart from warm)",
                    server_ready_s=srv["ready_s"], baseline_load_s=base["load_s"])]
     log(f"  cold: raytrain serve {srv['cold_ms']:.1f} ms (deploy to ready {srv['ready_s']:.1f} s) | plain "
         f"{base['cold_ms']:.1f} ms (load {base['load_s']:.1f} s)")
@@ -215,7 +215,7 @@ def serve(tmp: str, data: str, quick: bool, log: Callable = print) -> list[dict]
                                                                                "<= 500 ms" if c == 1 else ""),
                                         ("rps", "requests/s", "req/s", "")):
             met = None if not target else s[key] <= 500
-            figs.append(figure("9 serve", f"{name}, concurrency {c}, warm", s[key], unit, base_name, b[key],
+            figs.append(figure("9 serve", f"{name}, concurrency {c}, warm", s[key], unit, base_name, measured(b[key]),
                                target=target, met=met, requests=n, same_text=same, max_tokens=MAX_TOKENS,
                                baseline_rps_runs=b["rps_runs"]))
     return figs

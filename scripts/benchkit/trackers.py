@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-from benchkit.parts import figure, metrics, prepare_data, train_cfg
+from benchkit.parts import figure, measured, metrics, prepare_data, train_cfg
 
 
 def _median_step_s(run_uri: str) -> float:
@@ -45,7 +45,7 @@ def trackers(tmp: str, quick: bool, log: Callable = print) -> list[dict]:
                 log(f"  {kind:>3} (rep {rep}): median step {times[kind][-1] * 1e3:.1f} ms")
         off, on = statistics.mean(times["off"]), statistics.mean(times["on"])
         figs.append(figure("trackers", "step time with W&B offline + MLflow (local server), log every step", on, "s",
-                           "the same run without trackers", off, target="<= 1.01", met=on / off <= 1.01,
+                           "the same run without trackers", measured(off), target="<= 1.01", met=on / off <= 1.01,
                            runs_off=times["off"], runs_on=times["on"], steps=steps))
         # The hand-over: a checkpoint every 10 steps, each evaluated on a Ray task of its own.
         tasks = write_lm_eval_tasks(Path(tempfile.mkdtemp(prefix="tasks-", dir=tmp)))
@@ -55,8 +55,9 @@ def trackers(tmp: str, quick: bool, log: Callable = print) -> list[dict]:
         pause = summary.get("eval_handoff_max_s")
         log(f"  hand-over to an evaluation task: longest pause {pause * 1e3:.1f} ms over {summary['eval_handoffs']} "
             f"hand-overs")
+        # No baseline: 0.05 s is the target, not a figure of this run.
         figs.append(figure("trackers", "training loop's longest pause to hand a checkpoint to an evaluation task",
-                           pause, "s", "target", 0.05, target="<= 0.05 s", met=pause is not None and pause <= 0.05,
+                           pause, "s", target="<= 0.05 s", met=pause is not None and pause <= 0.05,
                            handoffs=summary["eval_handoffs"]))
     finally:
         os.killpg(proc.pid, signal.SIGKILL)

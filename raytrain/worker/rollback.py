@@ -6,6 +6,8 @@ import dataclasses
 
 from raytrain.ckpt.restore import find_resume_point, restore
 from raytrain.ckpt.state import TrainState
+from raytrain.console import say
+from raytrain.worker.telemetry import stop
 
 
 def roll_back(violation, *, tel, engine, state: TrainState, data, run_uri: str, global_batch: int) -> TrainState:
@@ -18,8 +20,6 @@ def roll_back(violation, *, tel, engine, state: TrainState, data, run_uri: str, 
     TrainState. Stops the run with a report when rollbacks exceed health.max_rollbacks or there is no
     checkpoint to go back to.
     """
-    from raytrain.worker.telemetry import stop
-
     v, h = violation, tel.cfg.health
     # Called right after the bad step, before its batch is counted: the stream is already past it.
     bad_start, bad_step = state.samples_seen, state.step
@@ -48,8 +48,6 @@ def roll_back(violation, *, tel, engine, state: TrainState, data, run_uri: str, 
                             "skipped": [restored.samples_seen, new.samples_seen]})
     tel.health.restarted()
     if tel.rank == 0:
-        from raytrain.worker.runlog import say
-
         say(f"rollback {tel.rollbacks}/{h.max_rollbacks}: {v.message}; back to step {restored.step}, skipping "
             f"samples {restored.samples_seen}..{new.samples_seen - 1} of the data stream (bad batch from {bad_start})")
     return new

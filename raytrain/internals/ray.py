@@ -1,0 +1,145 @@
+"""Reaches into Ray's private code (written for ray 2.60.0, the pin), each gated: see raytrain/internals/__init__.py.
+
+Nothing here imports Ray at module import: callers decide when Ray is loaded.
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Optional
+
+from raytrain.internals.registry import fell_back, gate, register
+
+V = "2.60.0"
+
+PREEMPTION_INFO = register(
+    "ray.train.local_preemption_info", package="ray", written_for=V,
+    gain="a drain notice read every step from the worker's own Train context, with no remote call; Ray's public "
+         "ray.train.get_preemption_info() is a barrier through the controller (a round trip per call)",
+    fallback="drain notices read with ray.train.get_preemption_info() every PUBLIC_POLL_STEPS steps (SIGTERM as before)")
+CONTROLLER_CALLBACKS = register(
+    "ray.train.controller_callbacks", package="ray", written_for=V,
+    gain="restart phases timed inside the Train controller (attempts.jsonl); a Tune trial that ASHA stops aborts its "
+         "Train run, whose placement group would otherwise hold its CPUs and later trials would wait forever",
+    fallback="restart phases not recorded; a stopped Tune trial's placement group is left to Ray's own cleaner")
+INTERNAL_KV = register(
+    "ray.internal_kv", package="ray", written_for=V,
+    gain="the controller hands a restart's phase times to rank 0 through GCS: no object-storage request between a "
+         "fault and the first resumed step",
+    fallback="restart phases not recorded")
+TUNE_REPORT_QUEUE = register(
+    "ray.tune.report_queue", package="ray", written_for=V,
+    gain="a sweep trial's final report waits until Tune has taken the last forwarded one (else Tune may see them "
+         "out of order and stop the trial before its summary)",
+    fallback="a fixed 2 s wait before the final report")
+AUTH_CONFIG = register(
+    "ray.auth_config_reload", package="ray", written_for=V,
+    gain="a token created by this process is used by its own ray.init (else 'Missing authentication token')",
+    fallback="not reloaded: if Ray refuses the new token, run the command again")
+AUTH_CHECK = register(
+    "ray.auth_token_check", package="ray", written_for=V,
+    gain="the serving admin endpoints check Ray's own token the way Ray does",
+    fallback="fails closed: admin requests need 'Authorization: Bearer <this machine's Ray token>'")
+
+
+def local_preemption_info():
+    """This worker's copy of Ray Train's preemption info (None: no drain), read without a remote call."""
+    from ray.train.v2._internal.execution.context import get_train_context
+
+    return get_train_context().preemption_context.preemption_info
+
+
+def controller_callback_base() -> type:
+    """The base class of callbacks that run inside the Train controller (Train v2 has no public one)."""
+    from ray.train.v2._internal.execution.callback import ControllerCallback
+
+    return ControllerCallback
+
+
+def worker_group_callback_base() -> type:
+    """The base class of callbacks the Train controller runs around its worker groups (no public one in 2.60)."""
+    from ray.train.v2._internal.execution.callback import WorkerGroupCallback
+
+    return WorkerGroupCallback
+
+
+def restarting_state() -> type:
+    """The controller state a failure moves a running group into (a retry is decided)."""
+    from ray.train.v2._internal.execution.controller.state import RestartingState
+
+    return RestartingState
+
+
+def abort_controller(controller, timeout_s: float) -> None:
+    """Ask a Train controller actor to shut its worker group down and remove its placement group."""
+    import ray
+
+    ray.get(controller.abort.remote(), timeout=timeout_s)
+
+
+def kv_put(key: str, value: bytes) -> None:
+    """A small value in the cluster's GCS key-value store (no object storage request, a millisecond)."""
+    from ray.experimental.internal_kv import _internal_kv_put
+
+    _internal_kv_put(key, value, overwrite=True, namespace="raytrain")
+
+
+def kv_get(key: str) -> Optional[bytes]:
+    from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_initialized
+
+    return _internal_kv_get(key, namespace="raytrain") if _internal_kv_initialized() else None
+
+
+def kv_del(key: str) -> None:
+    from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_initialized
+
+    if _internal_kv_initialized():
+        _internal_kv_del(key, namespace="raytrain")
+
+
+def report_queue_empty(callback) -> bool:
+    """Whether Tune's TuneReportCallback has handed every forwarded report to Tune."""
+    return callback._training_actor_item_queue.empty()
+
+
+def reload_auth_config() -> None:
+    """Ray caches its config (auth mode included) when its core module loads, and its token loader caches "no
+    token" once it looked: re-read both (what ray.init() does when it turns token mode on by itself)."""
+    if not gate(AUTH_CONFIG):
+        return
+    import sys
+
+    raylet = sys.modules.get("ray._raylet")
+    if raylet is None:  # not loaded yet: it will read the environment and the file when it is
+        return
+    try:
+        raylet.Config.initialize("")
+        raylet.AuthenticationTokenLoader.instance().reset_cache()
+    except Exception as e:  # noqa: BLE001
+        fell_back(AUTH_CONFIG, e)
+
+
+def token_auth_enabled() -> bool:
+    """Whether the Ray instance this process belongs to uses token authentication (closed gate: yes)."""
+    if not gate(AUTH_CHECK):
+        return True
+    try:
+        from ray._private.authentication.authentication_utils import is_token_auth_enabled
+
+        return is_token_auth_enabled()
+    except Exception as e:  # noqa: BLE001
+        fell_back(AUTH_CHECK, e)
+        return True
+
+
+def valid_request_token(authorization: str, local_token: Optional[str]) -> bool:
+    """Whether an HTTP Authorization header carries this cluster's Ray token (closed gate: equal to the token this
+    machine has, compared in constant time; no token here: refused)."""
+    if gate(AUTH_CHECK):
+        try:
+            from ray._private.authentication.authentication_utils import validate_request_token
+
+            return bool(validate_request_token(authorization))
+        except Exception as e:  # noqa: BLE001
+                fell_back(AUTH_CHECK, e)
+    return bool(local_token) and hmac.compare_digest(authorization.encode(), f"Bearer {local_token}".encode())
