@@ -280,7 +280,7 @@ def worker_env() -> dict:
 
 def _fit(trainer, cfg: Config) -> None:
     """trainer.fit(), with the run's node records and host-memory snapshots around it; our errors as one line."""
-    from raytrain.ckpt.node_memory import release_run as release_memory
+    from raytrain.ckpt.snapshot_actor import release_run as release_memory
     from raytrain.cost import NodeRecorder
     from raytrain.restart_phases import forget as forget_restart_phases
 

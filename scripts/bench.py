@@ -224,10 +224,10 @@ def main(argv: list[str] | None = None) -> dict:
             section("9. trackers: step time with W&B + MLflow vs without; hand-over to an evaluation task",
                     lambda: trackers(tmp, args.quick))
         if "memory" in parts:
-            from benchkit.memory import memory
+            from benchkit.zero3_rss import memory
 
             section("8. memory: peak host RSS per worker, ZeRO-3, 1 / 2 / 4 workers", memory)
-            from benchkit.memory import whole_run
+            from benchkit.zero3_rss import whole_run
 
             section("8b. memory: the largest training worker's peak RSS through whole ZeRO-3 runs, 1 / 2 / 4 workers",
                     lambda: whole_run(tmp))

@@ -71,7 +71,7 @@ def ingest_in_worker(split_uri: str, fmt: str, epochs: int) -> dict:
 
     from raytrain import storage
     from raytrain.data.manifest import load_split
-    from raytrain.data.plan import SamplePlan
+    from raytrain.data.sample_plan import SamplePlan
     from raytrain.data.reader import PlannedReader
 
     split = load_split(split_uri, fmt=fmt)

@@ -19,7 +19,7 @@ import torch
 from raytrain import storage
 from raytrain.ckpt import catalog
 from raytrain.data.manifest import load_split
-from raytrain.data.plan import SamplePlan
+from raytrain.data.sample_plan import SamplePlan
 from raytrain.data.reader import read_rows
 
 ROOT = Path(__file__).resolve().parents[1]

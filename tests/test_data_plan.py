@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from raytrain.data.plan import SamplePlan, keyed_permute, units_of
+from raytrain.data.sample_plan import SamplePlan, keyed_permute, units_of
 from raytrain.errors import UserError
 
 # The benchmark harness (scripts/benchkit) is not part of the package.

@@ -9,7 +9,7 @@ import pytest
 
 from raytrain import storage
 from raytrain.data.manifest import load_split
-from raytrain.data.plan import SamplePlan
+from raytrain.data.sample_plan import SamplePlan
 from raytrain.data.shards import write_shard
 from raytrain.data.reader import PlannedReader, read_rows
 from raytrain.errors import UserError

@@ -64,8 +64,11 @@ def test_demo_from_an_empty_home_creates_a_token_and_prints_a_short_clean_log(de
     end = max(i for i, line in enumerate(lines) if line.startswith("=" * 20))
     shown = lines[start:end + 1]
     assert len(shown) <= 40, "\n".join(shown)
-    # Ray's core worker says nothing (it printed an error-level PreemptionWatcher line on every run).
-    assert not [line for line in out.stdout.splitlines() if "core_worker" in line], "\n".join(shown)
+    # Ray's core worker says nothing but one known line: its stock preemption watcher's error-level notice on every
+    # run (ray-project/ray#53727). raytrain once rebuilt Ray's watcher to hide it; a log line is no reason to reach
+    # into Ray's private code (issue 43), so the line stays until Ray fixes it.
+    ray_lines = [line for line in out.stdout.splitlines() if "core_worker" in line]
+    assert all("'PreemptionWatcher'" in line and "53727" in line for line in ray_lines), "\n".join(shown)
     # The MFU on the progress lines rests on the CPU's measured peak (the probe's cache), not an assumed figure.
     assert any("MFU" in line for line in shown) and (home / ".cache" / "raytrain" / "cpu_peak.json").is_file()
     for bad in ("warning", "TrainingReport", "Traceback"):

@@ -219,7 +219,7 @@ def test_auth_check_fails_closed(stock, monkeypatch):
 def test_memory_snapshots_of_zero_engines_are_refused_when_forced(stock):
     """ZeRO's internals gated: no ZeRO optimizer counts as one the memory tier can capture, and a snapshot taken
     before is refused with a reason (every rank then restores from storage, tests/test_train.py)."""
-    from raytrain.ckpt.memory import check, engine_kind
+    from raytrain.ckpt.host_snapshots import check, engine_kind
 
     class DeepSpeedZeroOptimizer:  # what the engine's optimizer is called; its internals are what is gated
         pass
@@ -228,7 +228,7 @@ def test_memory_snapshots_of_zero_engines_are_refused_when_forced(stock):
         optimizer = DeepSpeedZeroOptimizer()
 
     assert engine_kind(Engine()) is None
-    from raytrain.ckpt.memory import FORMAT
+    from raytrain.ckpt.host_snapshots import FORMAT
 
     reason = check(Engine(), {"format": FORMAT, "kind": "zero", "optimizer": {"x": 1}})
     assert reason and "not the version" in reason

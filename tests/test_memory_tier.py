@@ -150,7 +150,7 @@ def test_peer_copy_outlives_its_node_and_release_removes_everything(ray_cluster,
     after the first actor (its node) is gone, intact; releasing the run leaves no actor and no file."""
     import ray
 
-    from raytrain.ckpt.node_memory import NAMESPACE, NodeMemory, actor_name, file_prefix, release_run, run_actors
+    from raytrain.ckpt.snapshot_actor import NAMESPACE, NodeMemory, actor_name, file_prefix, release_run, run_actors
 
     run = f"file://{tmp_path}/peer-run"
     shm = str(tmp_path / "shm")

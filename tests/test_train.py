@@ -162,7 +162,7 @@ def _assert_memory_released(cfg) -> None:
 
     import ray
 
-    from raytrain.ckpt.node_memory import NAMESPACE, actor_name, file_prefix
+    from raytrain.ckpt.snapshot_actor import NAMESPACE, actor_name, file_prefix
 
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a.get("namespace") == NAMESPACE]
     assert not [n for n in names if n.startswith(actor_name(cfg.run_uri, ""))], names

@@ -21,7 +21,7 @@ import ray
 from raytrain.cli import main
 from raytrain.config import load_config
 from raytrain.errors import UserError
-from raytrain.sweep.memory import estimate_mb
+from raytrain.sweep.memory_estimate import estimate_mb
 from raytrain.sweep.space import MicroBatchSearcher
 from raytrain.sweep.spec import load_spec, microbatch_grid, trial_config
 

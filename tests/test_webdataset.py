@@ -13,7 +13,7 @@ from raytrain import storage
 from raytrain.data import prepare as prep
 from raytrain.data.manifest import load_split
 from raytrain.data.prepare import PrepareConfig, prepare
-from raytrain.data.plan import SamplePlan
+from raytrain.data.sample_plan import SamplePlan
 from raytrain.data.reader import PlannedReader, read_rows
 from raytrain.errors import UserError
 

@@ -22,7 +22,7 @@ _RANKED = re.compile(r"(?:^|/)(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_(?:optim|
 
 @dataclass
 class MemoryPoint:
-    """The step every rank restores from host memory, and this rank's state for it (raytrain/ckpt/memory.py)."""
+    """The step every rank restores from host memory, and this rank's state for it (raytrain/ckpt/host_snapshots.py)."""
 
     step: int
     state: dict

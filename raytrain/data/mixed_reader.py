@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from raytrain.data.mixture import ID_STRIDE, MixturePlan
-from raytrain.data.plan import StepPlan
+from raytrain.data.sample_plan import StepPlan
 from raytrain.data.reader import PlannedReader
 
 

@@ -14,7 +14,7 @@ phi = (sqrt 5 - 1) / 2 (a Kronecker sequence) and u_0 from the seed. So:
   plan, and from a real run's own counters.
 
 Reading (each rank reads only its units). Slot p of the batch always maps to lane p - floor(a_i) of source i,
-so each source is a SamplePlan of its own (raytrain/data/plan.py) with L_i = ceil(a_{i+1}) - floor(a_i) lanes
+so each source is a SamplePlan of its own (raytrain/data/sample_plan.py) with L_i = ceil(a_{i+1}) - floor(a_i) lanes
 (gb * w_i plus at most one shared boundary lane at each end, idle when the cut falls on the other side),
 stepped once per global step: its own unit order, its own epochs (a small source repeats sooner), and a
 contiguous range of its lanes per rank, so read amplification stays ~1 + 1 / (gb * w_i) per source. Lanes
@@ -35,7 +35,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from raytrain.data.plan import SamplePlan, StepPlan, lanes_of, units_of
+from raytrain.data.sample_plan import SamplePlan, StepPlan, lanes_of, units_of
 from raytrain.errors import UserError
 
 PHI = (math.sqrt(5.0) - 1.0) / 2.0

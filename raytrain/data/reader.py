@@ -1,6 +1,6 @@
 """Reading under the sample plan: one rank's rows of each global batch, from only the units that hold them.
 
-The plan (raytrain/data/plan.py) says which units this rank's lanes walk through and when each is first
+The plan (raytrain/data/sample_plan.py) says which units this rank's lanes walk through and when each is first
 and last needed. A background pool reads them ahead in that order (Parquet: the unit's row groups, token
 column only; WebDataset: the tar, member by member), each unit once, through raytrain.storage so local
 paths and s3:// both work and every byte fetched is counted. A unit stays in the cache from its first to
@@ -31,7 +31,7 @@ import pyarrow as pa
 
 from raytrain import storage
 from raytrain.data.manifest import Split
-from raytrain.data.plan import SamplePlan, StepPlan, units_of
+from raytrain.data.sample_plan import SamplePlan, StepPlan, units_of
 from raytrain.errors import UserError, first_line
 
 

@@ -108,7 +108,7 @@ def run_trial(config: dict, spec_dict: dict, sweep_dir: str) -> None:
     from ray.util.queue import Queue
 
     from raytrain.data.manifest import load_split
-    from raytrain.sweep.memory import estimate_mb
+    from raytrain.sweep.memory_estimate import estimate_mb
     from raytrain.trainer import train
 
     spec = SweepSpec.model_validate(spec_dict)

@@ -1,6 +1,6 @@
 """The training loop's data plane: this rank's rows of each global batch, by the sample plan, and its counters.
 
-The data position is still one integer, `samples_seen`; the plan is keyed by the global batch index
+The data position is one integer, the run's `samples_seen` (raytrain/ckpt/state.py), passed to every call; the plan is keyed by the global batch index
 samples_seen // global_batch, so a restore is just that number and a resize changes only which lanes
 a rank reads, never which samples a global batch holds.
 """
@@ -16,7 +16,7 @@ import torch.distributed as dist
 from raytrain.data.manifest import Split
 from raytrain.data.mixed_reader import MixedReader
 from raytrain.data.mixture import MixturePlan
-from raytrain.data.plan import SamplePlan
+from raytrain.data.sample_plan import SamplePlan
 from raytrain.data.reader import PlannedReader
 
 
@@ -26,7 +26,9 @@ class DataPlane:
     def __init__(self, data_cfg, *, split: Split, seed: int, global_batch: int, rank: int, size: int, position: int,
                  steps_left: int, device="cpu", mixture: Optional[dict] = None):
         self.split, self.global_batch, self.dp_size = split, global_batch, size
-        self.position = position  # samples of the global stream consumed (a multiple of the global batch)
+        # The data position itself is the run's (TrainState.samples_seen), passed in each time; this is only how far
+        # this rank's reader has handed out batches (ahead of it by one batch between `take` and the step's count).
+        self._next = position // global_batch
         self.device = device
         opts = {"stall_timeout_s": data_cfg.stall_timeout_s, "on_bad_shard": data_cfg.on_bad_shard,
                 "end_step": position // global_batch + steps_left}
@@ -40,37 +42,40 @@ class DataPlane:
             self.reader = PlannedReader(split, self.plan, self.lanes, position // global_batch, **opts)
         self._step = None
 
-    @property
-    def epoch(self) -> int:
-        """Whole passes over the training data (a mixture: over all its sources' sequences together)."""
+    def epoch(self, position: int) -> int:
+        """Whole passes over the training data at data position `position` (a mixture: over all its sources'
+        sequences together)."""
         if isinstance(self.plan, MixturePlan):
-            return int(self.position // int(self.plan.num_samples.sum()))
-        return self.position // self.global_batch // self.plan.steps_per_epoch
+            return int(position // int(self.plan.num_samples.sum()))
+        return position // self.global_batch // self.plan.steps_per_epoch
 
     @property
     def skipped(self) -> list[str]:
         return self.reader.skipped
 
-    def take(self) -> np.ndarray:
-        """This rank's rows of the next global batch: [global_batch / data-parallel size, seq_len + 1] int32."""
-        rows, self._step = self.reader.take(self.position // self.global_batch)
-        self.position += self.global_batch
+    def take(self, position: int) -> np.ndarray:
+        """This rank's rows of the global batch at data position `position` (samples of the global stream before
+        it): [global_batch / data-parallel size, seq_len + 1] int32. Batches before it not yet taken are passed
+        over unread by training (a rollback's skipped window)."""
+        want = position // self.global_batch
+        if want < self._next:
+            raise ValueError(f"data position {position} is behind this rank's reader (batch {self._next})")
+        while self._next < want:
+            self.reader.take(self._next)
+            self._next += 1
+        rows, self._step = self.reader.take(want)
+        self._next = want + 1
         return rows
 
-    def skip(self, samples: int) -> None:
-        """Move the position forward without training on what lies between (a rollback's skipped window)."""
-        for _ in range(samples // self.global_batch):
-            self.take()
-
-    def run_until(self, steps_left: int) -> None:
-        """The run needs `steps_left` more batches from the current position (after a rollback: more)."""
-        self.reader.extend_to(self.position // self.global_batch + steps_left)
+    def run_until(self, position: int, steps_left: int) -> None:
+        """The run needs `steps_left` more batches from data position `position` (after a rollback: more)."""
+        self.reader.extend_to(position // self.global_batch + steps_left)
 
     def fingerprint(self) -> int:
         """Of the sample ids of the whole global batch just taken, from the plan alone: equal across world sizes."""
         return self.plan.step(self._step.step).fingerprint()
 
-    def stats(self, world: int, elapsed_s: float) -> dict:
+    def stats(self, world: int, elapsed_s: float, position: int) -> dict:
         """Cluster-wide data counters since this attempt started (collective: every rank calls it at the same
         step; two fixed-size all-reduces). Per worker: the mean over workers, and the worst one."""
         c = self.reader.counters()
@@ -91,14 +96,14 @@ class DataPlane:
                 "read_amplification": t["rows_read"] / t["rows_trained"] if t["rows_trained"] else None,
                 "data_wait_frac_mean": t["data_wait_s"] / world / elapsed_s if elapsed_s > 0 else None,
                 "data_wait_frac_max": w[4] / elapsed_s if elapsed_s > 0 else None,
-                "data_skipped_shards": int(w[5]), "data_cached_units_max": int(w[6]), **self.mixture_stats()}
+                "data_skipped_shards": int(w[5]), "data_cached_units_max": int(w[6]), **self.mixture_stats(position)}
 
-    def mixture_stats(self) -> dict:
-        """Per source, from the plan alone (the same on every rank): tokens trained, realised share of the
-        slots so far, passes over its data; {} without a mixture."""
+    def mixture_stats(self, position: int) -> dict:
+        """Per source at data position `position`, from the plan alone (the same on every rank): tokens trained,
+        realised share of the slots so far, passes over its data; {} without a mixture."""
         if not isinstance(self.plan, MixturePlan):
             return {}
-        n = self.plan.counts(0, self.position // self.global_batch)
+        n = self.plan.counts(0, position // self.global_batch)
         total = max(1, int(n.sum()))
         out: dict = {}
         for name, c, rows in zip(self.plan.names, n.tolist(), self.plan.num_samples.tolist()):

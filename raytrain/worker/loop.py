@@ -25,7 +25,7 @@ from raytrain.data.manifest import Split
 from raytrain.ds_config import build_ds_config, lr_lambda, resolve_dtype
 from raytrain.errors import UserError
 from raytrain.ckpt.layout import dir_name, step_of
-from raytrain.ckpt.memory import MemoryTier, apply as apply_snapshot, check as check_snapshot
+from raytrain.ckpt.host_snapshots import MemoryTier, apply as apply_snapshot, check as check_snapshot
 from raytrain.ckpt.restore import agree_apply, find_memory_point, find_resume_point, peek_state, restore
 from raytrain.worker.rollback import roll_back
 from raytrain.ckpt.state import TrainState
@@ -74,7 +74,7 @@ class WorkerRun:
         # restart inside one job or the same run submitted again. (Ray's own registry can miss the newest
         # one when a worker dies right after uploading; our manifests cannot.) A checkpoint written by
         # another number of workers is loaded through DeepSpeed's universal format.
-        # Host memory before storage: this node's snapshot of the newest step every rank holds (ckpt/memory.py).
+        # Host memory before storage: this node's snapshot of the newest step every rank holds (ckpt/host_snapshots.py).
         self.memory = MemoryTier(cfg.checkpoint, run_uri=cfg.run_uri, rank=rank, world=world,
                                  enabled=cfg.deepspeed.tensor_parallel_size == 1)
         self.from_memory = find_memory_point(self.memory, rank)
@@ -145,7 +145,8 @@ class WorkerRun:
             nxt = self.state.step + 1
             self.tel.timer.step(sample=nxt % cfg.run.log_every == 0 or nxt == cfg.run.max_steps)
             with self.window.waiting():
-                rows = self.data.take()  # this rank's lanes of the global batch: [acc * micro_batch, seq_len + 1]
+                # This rank's lanes of the global batch at the run's data position: [acc * micro_batch, seq_len + 1]
+                rows = self.data.take(self.state.samples_seen)
             self.attempt.got_batch()
             verdict, aux = self.step(rows)
             bad = self.tel.health.check_step(self.state.step, verdict.loss)
@@ -248,9 +249,10 @@ class WorkerRun:
         """A bad loss: back to the newest checkpoint, past the bad batch (collective)."""
         self.writer.wait()  # the newest checkpoint must be committed before it can be rolled back to
         self.memory.invalidate(everywhere=True)  # the snapshots since that checkpoint belong to the bad timeline
-        self.state = roll_back(bad, tel=self.tel, engine=self.engine, state=self.state, data=self.data,
+        self.state = roll_back(bad, tel=self.tel, engine=self.engine, state=self.state,
                                run_uri=self.cfg.run_uri, global_batch=self.cfg.global_batch)
-        self.data.run_until(self.cfg.run.max_steps - self.state.step)  # the steps since the checkpoint are trained again
+        # The steps since the checkpoint are trained again, from the new position on: the reader reads further.
+        self.data.run_until(self.state.samples_seen, self.cfg.run.max_steps - self.state.step)
         self.log.rewind(self.state.step)
         self.records.write({"step": self.state.step, "event": "rollback", **self.tel.rolled_back[-1]}, "rollback",
                            sync=True)
@@ -261,7 +263,7 @@ class WorkerRun:
         """The final upload and commit, the data counters (collective) and summary.json (rank 0)."""
         if self.attempt.first:  # resumed at the last step: no step, so the records were not opened yet
             self._open_records()
-        data_stats = self.data.stats(self.world, self.window.since_start())
+        data_stats = self.data.stats(self.world, self.window.since_start(), self.state.samples_seen)
         self.data.close()
         self.writer.wait()
         self._log_downstream(self.downstream.poll(self.writer.committed, final=True)
@@ -389,10 +391,10 @@ class WorkerRun:
             "lr": engine.get_lr()[0], "grad_norm": float(grad_norm) if grad_norm is not None else None,
             "tokens_per_s": tps, "samples_per_s": window_steps * gb / dt,
             "tflops_per_worker": self.tel.fpt * tps / world / 1e12, "data_wait_frac": data_wait / dt,
-            "tokens_seen": self.state.tokens_seen, "epoch": self.data.epoch,
+            "tokens_seen": self.state.tokens_seen, "epoch": self.data.epoch(self.state.samples_seen),
             # Which samples this step trained on, from the plan (resumed runs are checked against it).
             "batch_crc32": self.data.fingerprint(),
-            **self.data.stats(world, win.since_start()),
+            **self.data.stats(world, win.since_start(), self.state.samples_seen),
         })
         if self.dtype == "fp16":
             # Loss-scale overflows: DeepSpeed skips the update (and the lr schedule's step) on its own.

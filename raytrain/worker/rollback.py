@@ -10,7 +10,7 @@ from raytrain.console import say
 from raytrain.worker.telemetry import stop
 
 
-def roll_back(violation, *, tel, engine, state: TrainState, data, run_uri: str, global_batch: int) -> TrainState:
+def roll_back(violation, *, tel, engine, state: TrainState, run_uri: str, global_batch: int) -> TrainState:
     """The action for a NaN/inf or spiking loss (collective: every rank calls it at the same step).
 
     Restores the engine (weights, optimizer, schedule) and RNG from the newest complete checkpoint and
@@ -33,13 +33,10 @@ def roll_back(violation, *, tel, engine, state: TrainState, data, run_uri: str, 
         stop(tel, run_uri, f"{v.message} before the first complete checkpoint, nothing to roll back to; "
                            f"lower optim.lr or checkpoint earlier (checkpoint.every_n_steps)")
     restored = restore(engine, resumed, rank=tel.rank, world=tel.world)
-    skip_extra = (h.skip_batches - 1) * global_batch
-    if skip_extra:
-        data.skip(skip_extra)
-    # Counters other than the position keep counting (restarts, preemptions, ...): only the training
-    # progress goes back to the checkpoint.
+    # Counters other than the position keep counting (restarts, preemptions, ...): only the training progress goes
+    # back to the checkpoint; the data position moves on past the bad batch and health.skip_batches - 1 more.
     new = dataclasses.replace(state, step=restored.step, tokens_seen=restored.tokens_seen,
-                              samples_seen=data.position)
+                              samples_seen=bad_start + h.skip_batches * global_batch)
     tel.rollbacks += 1
     # Skipped: everything from the checkpoint's position on, up to and past the bad batch (as PaLM did
     # for loss spikes): the updates made from that window are gone with the rollback.

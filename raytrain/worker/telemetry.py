@@ -79,7 +79,7 @@ def measured_cpu_peak_tflops(threads: int, n: int = 512) -> float:
     return peak
 
 
-def memory(cuda: bool) -> dict:
+def device_memory(cuda: bool) -> dict:
     """Host RSS of this process and, on GPU, allocated / reserved / peak accelerator memory (GiB) and the used
     fraction of the device (on CPU: of the host), which the memory rule watches."""
     import psutil
@@ -189,7 +189,7 @@ class Telemetry:
     def log_step(self, rec: dict, state, steps: int, seconds: float) -> dict:
         """The keys a log step adds to its record: MFU, perplexity, step time and its phases, memory, counters."""
         add = {"max_steps": self.cfg.run.max_steps, "step_time_s": seconds / max(1, steps),
-               **self.timer.take(steps), **memory(self.cuda),
+               **self.timer.take(steps), **device_memory(self.cuda),
                "restarts": state.restarts, "preemptions": state.preemptions,
                "rollbacks": self.rollbacks, "checkpoints": self.checkpoints}
         if isinstance(rec.get("loss"), (int, float)) and math.isfinite(rec["loss"]):
@@ -214,7 +214,7 @@ def oom_guard(cfg: Config, world: int, cuda: bool):
     except torch.OutOfMemoryError:
         from raytrain.worker.health import oom_message
 
-        mem = memory(cuda) if cuda else None
+        mem = device_memory(cuda) if cuda else None
         raise UserError(oom_message(cfg, world, mem)) from None
 
 

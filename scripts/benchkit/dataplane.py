@@ -7,7 +7,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from raytrain.data.plan import SamplePlan, units_of
+from raytrain.data.sample_plan import SamplePlan, units_of
 
 TOKENS = 2049          # a 2048-token context plus the shifted target
 ROW_BYTES = TOKENS * 4  # int32 token ids, as `raytrain prepare` writes them
@@ -142,7 +142,7 @@ def runs(tmp: str, log: Callable = print, workers=(1, 2, 4), steps: int = 0, s3:
     from benchkit.parts import figure
     from raytrain.config import load_config
     from raytrain.data.manifest import load_split
-    from raytrain.data.plan import SamplePlan
+    from raytrain.data.sample_plan import SamplePlan
     from raytrain.data.prepare import PrepareConfig, prepare
     from raytrain.trainer import train
 

@@ -160,7 +160,7 @@ def ingest(data: str, epochs: int, train_runs: Optional[dict] = None, log: Calla
     import pyarrow.parquet as pq
 
     from raytrain.data.manifest import load_split
-    from raytrain.data.plan import SamplePlan
+    from raytrain.data.sample_plan import SamplePlan
     from raytrain.data.reader import PlannedReader
 
     split = load_split(f"{data}/train")

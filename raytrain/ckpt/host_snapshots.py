@@ -1,6 +1,6 @@
 """The host-memory checkpoint tier, each rank's side: capture its state after the optimizer step, restore it at start.
 
-Each node of a run has one detached actor (raytrain/ckpt/node_memory.py) that owns the run's shared-memory files on
+Each node of a run has one detached actor (raytrain/ckpt/snapshot_actor.py) that owns the run's shared-memory files on
 that node: two generations per rank (raytrain/ckpt/snapshot.py lays them out). Right after the optimizer step
 each rank copies its own resumable state - what a storage checkpoint holds for that rank: its ZeRO partition of the fp32 weights and optimizer state, the LR
 scheduler, the engine's and the run's counters (data position included) and its RNG streams - straight into the
@@ -21,7 +21,7 @@ from dataclasses import asdict
 from typing import Optional
 
 from raytrain.ckpt import snapshot
-from raytrain.ckpt.node_memory import NAMESPACE, actor_name, node_actor, run_actors
+from raytrain.ckpt.snapshot_actor import NAMESPACE, actor_name, node_actor, run_actors
 from raytrain.ckpt.state import TrainState, rng_state, set_rng_state
 from raytrain.internals.deepspeed import is_zero_optimizer, zero_check, zero_load, zero_state
 

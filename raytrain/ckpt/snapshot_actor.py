@@ -2,7 +2,7 @@
 
 Each node of a run has one detached actor (`NodeMemory`, pinned to its node, created on demand by the first rank
 that needs it, named by run and node). It owns the run's shared-memory files on that node: two generations per rank,
-written by the ranks themselves (raytrain/ckpt/memory.py; layout in raytrain/ckpt/snapshot.py), plus the peer copies
+written by the ranks themselves (raytrain/ckpt/host_snapshots.py; layout in raytrain/ckpt/snapshot.py), plus the peer copies
 other nodes sent it. The driver removes a run's actors and files when the run ends or fails, and any leftovers at
 the next start (`release_run`).
 
