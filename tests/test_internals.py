@@ -261,3 +261,65 @@ def test_drain_notices_come_from_rays_public_call_every_few_steps_when_forced(st
     assert notice.flags(PUBLIC_POLL_STEPS) == (False, True) and len(calls) == 1
     notice.heard(False, True)
     assert notice.take().startswith("node drain for preemption (ranks [1]")
+
+
+# A fresh process, as a training worker: a 1-rank gloo group, the real model and DeepSpeed config, 4 steps on one
+# batch for ZeRO-1, 2 and 3 (ZeRO-3 also in bf16: its own optimizer class), which modules were loaded, then a Muon
+# config in the same process.
+MUON_PROBE = r"""
+import json, sys
+import torch
+from raytrain.quiet import quiet_deepspeed
+quiet_deepspeed()
+import deepspeed
+from raytrain.config import load_config
+from raytrain.internals.deepspeed import STAND_IN_MARK, set_muon_aside
+from raytrain.ds_config import build_ds_config
+from raytrain.model import build_model
+from raytrain.worker.evaluate import lm_loss
+deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+out = {"set_aside": [], "losses": {}}
+for stage, dtype in ((1, "fp32"), (2, "fp32"), (3, "fp32"), (3, "bf16")):
+    cfg = load_config("tiny", [f"deepspeed.zero_stage={stage}", "model.n_layer=1", "model.hidden_size=32",
+                               "model.n_head=2", "model.seq_len=16", "batch.micro_batch_size=2"])
+    ds_config = build_ds_config(cfg, 1, dtype, cuda=False)
+    out["set_aside"].append(set_muon_aside(ds_config))
+    x = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))
+    model = build_model(cfg.model, 256, 0, ds_config=ds_config)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=ds_config)
+    losses = []
+    for _ in range(4):
+        loss = lm_loss(engine, x); engine.backward(loss); engine.step(); losses.append(loss.item())
+    out["losses"][f"{stage}-{dtype}"] = losses
+out["compiler_loaded"] = [m for m in ("torch._inductor.compile_fx", "torch._inductor.lowering") if m in sys.modules]
+out["muon_config_set_aside"] = set_muon_aside({"optimizer": {"type": "Muon", "params": {}}})
+from deepspeed.runtime.zero.muon import muon_optimizer
+out["muon_real"] = not getattr(muon_optimizer, STAND_IN_MARK, False) and muon_optimizer.MuonWithAuxAdam.__module__ == muon_optimizer.__name__
+print("RESULT " + json.dumps(out))
+"""
+
+
+def _muon_probe(**env) -> dict:
+    full = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "RAYTRAIN_INTERNALS")}
+    full.update(PYTHONPATH=str(ROOT), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(29000 + os.getpid() % 1000), **env)
+    proc = subprocess.run([sys.executable, "-c", MUON_PROBE], env=full, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
+
+
+def test_muon_modules_set_aside_for_every_zero_stage_and_back_for_a_muon_config():
+    """Engines of every ZeRO stage train with DeepSpeed's Muon modules set aside and torch's compiler stack never
+    loads; a later engine of the same process configured with Muon gets the real modules (it once got the
+    stand-ins)."""
+    out = _muon_probe()
+    assert out["set_aside"] == [True, True, True, True], out
+    for case, losses in out["losses"].items():
+        assert losses[-1] < losses[0], (case, losses)  # the optimizer steps: the batch's loss falls
+    assert out["compiler_loaded"] == [] and out["muon_config_set_aside"] is False and out["muon_real"], out
+
+
+def test_muon_modules_are_deepspeeds_own_when_forced_stock():
+    out = _muon_probe(RAYTRAIN_INTERNALS="stock")
+    assert out["set_aside"] == [False] * 4 and out["compiler_loaded"], out
+    assert out["muon_real"], out

@@ -97,3 +97,53 @@ def zero_load(opt, state: dict) -> None:
         opt.update_lp_params()  # ZeRO-1/2: the 16-bit weights from the fp32 partitions (ZeRO-3 does it inside)
     if hasattr(opt, "checkpoint_event_epilogue"):
         opt.checkpoint_event_epilogue()
+
+
+MUON_ASIDE = register(
+    "deepspeed.muon_set_aside", package="deepspeed", written_for=V,
+    gain="DeepSpeed's engine imports its Muon optimizer's modules whatever the optimizer, and they torch.compile "
+         "their kernels at import, which loads torch's compiler stack: 1.2-1.4 s of the engine phase of every worker "
+         "start and restart here (recovery median 8.2-8.6 s without, docs/BENCHMARKS.md), about a second on a GPU "
+         "node's CPU while model.compile is off (with it on, the compiler is loaded anyway and this gains nothing)",
+    fallback="DeepSpeed imports its Muon modules as it does by itself")
+
+
+def _muon_unavailable(*_, **__):
+    raise RuntimeError("DeepSpeed's Muon optimizer was set aside in this process because its config named another "
+                       "optimizer; set deepspeed.extra.optimizer.type=Muon to use it")
+
+
+class _NotMuon:
+    """Stands in for MuonWithAuxAdam in DeepSpeed's isinstance() checks: no optimizer of such a run is one."""
+
+    __init__ = _muon_unavailable
+
+
+# DeepSpeed's Muon modules, and what its engine imports from them (inside functions) whatever the optimizer.
+MUON_STAND_INS = {"deepspeed.runtime.zero.muon.muon_optimizer": {"MuonWithAuxAdam": _NotMuon},
+                  "deepspeed.runtime.zero.muon.original_muon": {"muon_update": _muon_unavailable}}
+STAND_IN_MARK = "__raytrain_stand_in__"
+
+
+def set_muon_aside(ds_config: dict) -> bool:
+    """Before `deepspeed.initialize`: where the optimizer is not Muon, stand-ins answer what the engine asks of
+    DeepSpeed's Muon modules, which are then never imported. A Muon config gets the real modules, also after an
+    earlier engine of the process set them aside. True when the stand-ins are in place."""
+    muon = str(ds_config.get("optimizer", {}).get("type", "")).lower() == "muon"
+    present = {m: sys.modules.get(m) for m in MUON_STAND_INS}
+    ours = [m for m, mod in present.items() if mod is not None and getattr(mod, STAND_IN_MARK, False)]
+    if muon:
+        for m in ours:  # DeepSpeed imports them inside its functions: the next import finds the real ones
+            del sys.modules[m]
+        return False
+    if ours:
+        return True
+    if any(mod is not None for mod in present.values()) or not gate(MUON_ASIDE):
+        return False  # imported for real already, or DeepSpeed is not the version this was written for
+    import types
+
+    for module, names in MUON_STAND_INS.items():
+        stand_in = types.ModuleType(module, "raytrain's stand-in: this process's optimizer is not Muon")
+        vars(stand_in).update(names, **{STAND_IN_MARK: True})
+        sys.modules[module] = stand_in
+    return True

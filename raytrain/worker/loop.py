@@ -32,6 +32,7 @@ from raytrain.ckpt.state import TrainState
 from raytrain.ckpt.writer import CheckpointWriter
 from raytrain import lora
 from raytrain.faults import Faults
+from raytrain.internals.deepspeed import set_muon_aside
 from raytrain.model import build_model, compile_engine, flops_per_token, moe_aux_loss, param_counts, param_groups
 from raytrain.quiet import no_stdout, quiet_worker
 from raytrain.worker.comm import watch_for_run
@@ -302,6 +303,7 @@ class WorkerRun:
         n_params, n_active = param_counts(model, cfg.model)  # active per token (MoE: top-k experts): the FLOPs behind MFU
         model, self.lora_base = lora.prepare_model(model, cfg.model, seed=cfg.run.seed)  # peft when model.lora.r > 0
         self.boot["model"] = time.time()
+        set_muon_aside(ds_config)  # DeepSpeed's Muon modules compile kernels at import (raytrain/internals/deepspeed.py)
         with no_stdout():
             engine, _, _, _ = deepspeed.initialize(
                 model=model, model_parameters=param_groups(model, cfg.optim.weight_decay), config=ds_config,
