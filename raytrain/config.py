@@ -218,7 +218,15 @@ class CheckpointSection(Section):
     verify_on_resume: Literal["checksum", "size"] = Field("checksum", description="how the checkpoint to resume from is checked: sha256 of every file (reads it once more) or sizes only")
     on_preemption: bool = Field(True, description="checkpoint at once when a node is drained for preemption or a worker gets SIGTERM")
     memory: bool = Field(True, description="host-memory snapshots (docs/FAULT_TOLERANCE.md): each rank copies its state into shared memory held by a per-node actor of the run, so a restarted worker group resumes from the newest snapshot instead of the last storage checkpoint; false: storage checkpoints only")
-    memory_every_n_steps: int = Field(1, ge=1, description="memory snapshot interval in optimizer steps (also at every storage checkpoint); a restart redoes at most this many steps")
+    memory_every_n_steps: Union[Annotated[int, Field(ge=1)], Literal["auto"]] = Field("auto", description="memory snapshot interval in optimizer steps (also at every storage checkpoint); a restart redoes at most this many steps. auto: snapshots every step over an attempt's first steps, then the smallest interval whose copies cost at most memory_cost_target of throughput (measured, one interval for all ranks, logged)")
+    memory_cost_target: float = Field(0.02, gt=0.0, lt=1.0, description="memory_every_n_steps=auto: the most of the training time the snapshots' stalls may take")
+
+    @field_validator("memory_every_n_steps", mode="before")
+    @classmethod
+    def _memory_steps_or_auto(cls, v: Any) -> Any:
+        if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+            return v
+        raise ValueError("must be a whole number of steps >= 1 or 'auto'")
     memory_budget_gb: float = Field(0.0, ge=0, description="most GiB of snapshots per node (two generations per rank, 12 x params / data-parallel ranks bytes each); over it: one warning and storage-only recovery. 0: only the free space of memory_dir limits it")
     memory_peer_every_n_steps: int = Field(1, ge=0, description="copy each rank's newest snapshot to the next node's actor every this many steps, so the loss of one node restores from memory:peer; a copy still in flight skips the next ones (the rate limit). Bytes per node per copy: 12 x params / nodes. 0: no peer copy")
     memory_fetch_timeout_s: float = Field(60.0, gt=0, description="a restore waits this long for another node's actor to send a rank's snapshot")

@@ -59,9 +59,9 @@ def consolidated_state_dict(ckpt_uri: str, zero_stage: int, tensor_parallel: int
             return {k: v.float() for k, v in states["module"].items()}
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        # Its "Loading checkpoint shards" bar, to stderr on every export: tqdm's own switch.
-        os.environ.setdefault("TQDM_DISABLE", "1")
-        with contextlib.redirect_stdout(io.StringIO()):  # it prints every tensor it merges
+        # It prints every tensor it merges, and draws a "Loading checkpoint shards" bar on stderr: neither is for a
+        # user (an error still raises).
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             return get_fp32_state_dict_from_zero_checkpoint(d, tag=ENGINE_TAG)
 
 

@@ -4,6 +4,7 @@
     {"crash_at_step": N, "rank": r, "signal": "SIGKILL", "marker": path}         one event
     {"events": [{"step": N, "rank": r, "signal": ...}, ...], "marker": dir}      several
     {"nan_at_step": N, "rank": r}                                                a NaN loss on that step's batch
+    {"snapshot_delay_s": x}             every memory snapshot stalls x seconds longer (a slow copy)
     {"memory_apply_fails": r}           rank r cannot apply its host-memory snapshot (checked before the restore)
     {"snapshot_ab_window": W}           no fault: memory snapshots skipped in every other window of W steps
                                         (steps W+1..2W, 3W+1..4W, ...), the benchmark's A/B in one run
@@ -54,6 +55,7 @@ class Faults:
         self.nan_position = (nan_step - 1) * global_batch if nan_step and rank == inject.get("rank", 0) else None
         self.ab_window = int(inject.get("snapshot_ab_window") or 0)
         self.apply_fails = inject.get("memory_apply_fails") == rank
+        self.snapshot_delay_s = float(inject.get("snapshot_delay_s") or 0.0)
 
     def memory_apply(self) -> None:
         """Raises on the rank told to fail applying its memory snapshot."""

@@ -23,6 +23,8 @@ KNOWN_WARNINGS: tuple = (
     (FutureWarning, r"torch\.distributed\.c10d_logger",
      r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
      "DeepSpeed 0.19.8's ZeRO collectives call them on every step (torch 2.13 renamed them)"),
+    (FutureWarning, r"transformers\.modeling_utils", r"`is_gradient_checkpointing` is deprecated",
+     "peft reads the attribute when it wraps a model for LoRA (transformers 5 renamed it)"),
 )
 
 

@@ -41,7 +41,7 @@ def tiny_overrides(data: Path | str, storage: Path | str, name: str, *overrides:
         "model.n_layer=1", "model.hidden_size=32", "model.n_head=2", "model.seq_len=32",
         "batch.micro_batch_size=4", "optim.lr=3e-3", "optim.warmup_steps=2", "run.log_every=1",
         "run.eval_every=0", "data.eval_samples=16", "checkpoint.every_n_steps=5", "run.max_steps=10",
-        "run.max_failures=0", *overrides,
+        "run.max_failures=0", "checkpoint.memory_every_n_steps=1", *overrides,
     ]
 
 

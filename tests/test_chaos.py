@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["model.n_layer=1", "model.hidden_size=32", "model.n_head=2", "model.seq_len=32", "batch.micro_batch_size=4",
-        "optim.lr=3e-3", "optim.warmup_steps=2", "data.eval_samples=16"]
+        "optim.lr=3e-3", "optim.warmup_steps=2", "data.eval_samples=16", "checkpoint.memory_every_n_steps=1"]
 
 
 def _drill(tmp_path, *args) -> dict:

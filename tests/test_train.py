@@ -376,3 +376,28 @@ def test_a_snapshot_one_rank_cannot_apply_sends_every_rank_to_storage(ray_cluste
     assert sorted(got) == list(range(1, 13))
     for step in range(1, 13):
         assert got[step] == pytest.approx(want[step], abs=1e-5), step
+
+
+def test_auto_snapshot_interval_widens_for_a_slow_copy_and_a_kill_redoes_at_most_it_plus_one(
+        ray_cluster, tiny_data, tmp_path, baseline):
+    """`checkpoint.memory_every_n_steps=auto` with every snapshot stalling 50 ms more (a slow copy, injected) on
+    steps of tens of ms: snapshots every other step while steps 1-8 measure (and at the storage checkpoints of steps
+    4 and 8), then, agreed at step 9, as wide as allowed: 4, a storage checkpoint every 4 steps snapshots anyway.
+    Rank 1 killed at step 11 resumes from the snapshot of step 8 (every step's snapshots would have held 10): 3
+    steps redone, at most the interval + 1, and the losses are the uninterrupted run's."""
+    _, want = baseline
+    cfg = tiny_cfg(tiny_data, tmp_path, "autosnap", "run.max_steps=12", "checkpoint.every_n_steps=4",
+                   "run.max_failures=1", "checkpoint.memory=true", "checkpoint.memory_every_n_steps=auto")
+    summary = train(cfg, log=lambda *_: None, inject={"crash_at_step": 11, "rank": 1, "marker": str(tmp_path / "died"),
+                                                      "snapshot_delay_s": 0.05})
+    assert (tmp_path / "died").exists() and summary["restarts"] == 1
+    stalls = {r["step"]: r["snapshot_stall_s"] for r in _metrics(cfg.run_uri) if "snapshot_stall_s" in r}
+    # (Each line carries the newest snapshot's stall: every step but an attempt's first, 1 and 9, has one.)
+    assert set(range(2, 13)) - {9} <= set(stalls) and all(s >= 0.05 for s in stalls.values()), stalls
+    (rec,) = RunDir(cfg.run_uri).read_jsonl("restores.jsonl")
+    assert rec["source"] == "memory:local" and rec["step"] == 8, rec
+    assert 11 - rec["step"] <= 4 + 1
+    got = _losses(cfg.run_uri)
+    assert sorted(got) == list(range(1, 13))
+    for step in range(1, 13):
+        assert got[step] == pytest.approx(want[step], abs=1e-5), step

@@ -22,6 +22,7 @@ from typing import Optional
 
 from raytrain.ckpt import snapshot
 from raytrain.ckpt.snapshot_actor import NAMESPACE, actor_name, node_actor, run_actors
+from raytrain.ckpt.snapshot_interval import SnapshotInterval
 from raytrain.ckpt.state import TrainState, rng_state, set_rng_state
 from raytrain.internals.deepspeed import is_zero_optimizer, zero_check, zero_load, zero_state
 
@@ -96,9 +97,15 @@ class MemoryTier:
     """One rank's snapshots in its node's shared memory: `snapshot` after the optimizer step, `candidates` and
     `load` at start-up. Off (every method a no-op) when checkpoint.memory is false or the budget does not fit."""
 
-    def __init__(self, ckpt_cfg, *, run_uri: str, rank: int, world: int, enabled: bool = True):
+    def __init__(self, ckpt_cfg, *, run_uri: str, rank: int, world: int, enabled: bool = True,
+                 drill_delay_s: float = 0.0):
         self.c, self.run_uri, self.rank, self.world = ckpt_cfg, run_uri, rank, world
         self.enabled = bool(ckpt_cfg.memory) and enabled
+        # How often (raytrain/ckpt/snapshot_interval.py); `auto` only where snapshots are taken at all.
+        self.interval = SnapshotInterval(ckpt_cfg.memory_every_n_steps if self.enabled else 1,
+                                         target=ckpt_cfg.memory_cost_target, ckpt_every=ckpt_cfg.every_n_steps)
+        self.drill_delay_s = drill_delay_s  # a drill (raytrain/faults.py): each snapshot stalls this much longer
+        self._took = False  # the previous call took a snapshot (its stall is measured at the next call)
         self.last_stall_s: Optional[float] = None
         self.bytes = 0  # one generation of this rank
         self._gen = 0  # the generation the next snapshot overwrites
@@ -170,10 +177,16 @@ class MemoryTier:
         storage checkpoint, before it is saved: memory is then never older than a committed checkpoint). From a
         GPU the copy runs on a side stream while the next step computes; `settle` commits it before the optimizer
         step changes its sources."""
-        if not self.enabled or not (force or state.step % self.c.memory_every_n_steps == 0):
+        if not self.enabled:
             return
         self.settle()
+        self.interval.tick(self.last_stall_s if self._took else None)
+        self._took = False
+        if not (force or self.interval.due(state.step)):
+            return
         t0 = time.perf_counter()
+        if self.drill_delay_s:
+            time.sleep(self.drill_delay_s)
         kind = engine_kind(engine)
         if kind is None:
             return self._off(f"optimizer {type(engine.optimizer).__name__} is not one the memory tier captures")
@@ -191,6 +204,7 @@ class MemoryTier:
             snapshot.write_mapped(self._mapping(self._gen, path), meta, skeleton, tensors)
             self._replicate(path, state.step)
         self._gen = 1 - self._gen
+        self._took = True
         self.last_stall_s = self._launch_s = time.perf_counter() - t0
         if force:
             self.settle()
@@ -249,8 +263,10 @@ class MemoryTier:
             ray.wait(refs, num_returns=len(refs), timeout=self.c.memory_fetch_timeout_s)
 
     def record(self) -> dict:
-        """The last snapshot's stall, for metrics.jsonl."""
-        return {"snapshot_stall_s": round(self.last_stall_s, 6)} if self.last_stall_s is not None else {}
+        """The last snapshot's stall and the interval in force, for metrics.jsonl."""
+        if self.last_stall_s is None:
+            return {}
+        return {"snapshot_stall_s": round(self.last_stall_s, 6), "snapshot_every": self.interval.every}
 
     def _path(self, gen: int, nbytes: int) -> Optional[str]:
         """Generation `gen`'s file, at least nbytes long (asked of the node's actor only when it must grow)."""
@@ -272,7 +288,7 @@ class MemoryTier:
         if gen == 1 and not self._said and self.rank == 0:
             self._said = True
             held = ray.get(self.actor.held_bytes.remote())
-            say(f"memory snapshots every {self.c.memory_every_n_steps} step(s): {nbytes / 2**20:,.2f} MiB per rank "
+            say(f"memory snapshots {self.interval.describe()}: {nbytes / 2**20:,.2f} MiB per rank "
                 f"per generation (about 12 x params / data-parallel ranks), x2 generations; {held / 2**20:,.2f} MiB "
                 f"on rank 0's node in {self.c.memory_dir}")
         return path

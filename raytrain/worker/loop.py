@@ -76,8 +76,9 @@ class WorkerRun:
         # one when a worker dies right after uploading; our manifests cannot.) A checkpoint written by
         # another number of workers is loaded through DeepSpeed's universal format.
         # Host memory before storage: this node's snapshot of the newest step every rank holds (ckpt/host_snapshots.py).
+        self.faults = Faults(loop_config.get("inject"), rank=rank, global_batch=cfg.global_batch)
         self.memory = MemoryTier(cfg.checkpoint, run_uri=cfg.run_uri, rank=rank, world=world,
-                                 enabled=cfg.deepspeed.tensor_parallel_size == 1)
+                                 enabled=cfg.deepspeed.tensor_parallel_size == 1, drill_delay_s=self.faults.snapshot_delay_s)
         self.from_memory = find_memory_point(self.memory, rank)
         resumed = None if self.from_memory else find_resume_point(
             cfg.run_uri, rank, deep=cfg.checkpoint.verify_on_resume == "checksum", local_dir=cfg.checkpoint.local_dir,
@@ -92,7 +93,6 @@ class WorkerRun:
             gc.enable()
         dp_rank, self.dp_size = _data_parallel_rank(cfg, rank, world)
         self.boot["engine"] = time.time()
-        self.faults = Faults(loop_config.get("inject"), rank=rank, global_batch=cfg.global_batch)
         if self.from_memory is not None:  # every rank can apply its snapshot, or all restore from storage
             resumed = self._vote_on_memory()
         # (run start, attempts before this one): from attempts.jsonl, or carried by the memory snapshot (no storage
@@ -129,7 +129,8 @@ class WorkerRun:
         self.run_records = {"run_started": started if started is not None else round(self.t_start, 3),
                             "attempts": earlier_attempts}
         self.notice = PreemptionNotice(rank, enabled=cfg.checkpoint.on_preemption)
-        self.agreement = StepAgreement(notice=self.notice, cadence=self.cadence, rank=rank, world=world, device=device)
+        self.agreement = StepAgreement(notice=self.notice, cadence=self.cadence, rank=rank, world=world, device=device,
+                                       snapshots=self.memory.interval)
         self.tel = Telemetry(cfg, rank, world, self.cuda, flops_per_token(n_active, cfg.model), log=say)
         # Every metric record's one path: metrics.jsonl, trackers, TensorBoard, Prometheus, Ray Train / Tune reports.
         self.records = RecordWriter(cfg, rank=rank, log=self.log, prometheus=self.tel.metrics, report=ray.train.report,
@@ -194,6 +195,8 @@ class WorkerRun:
         self.faults.after_step(self.state.step, say)
         with self.comm("the per-step all-reduce (loss, preemption notice, checkpoint agreement)"):
             verdict = self.agreement.agree(loss_sum / acc, self.state.step)
+        if self.memory.interval.decided_at == self.state.step and self.rank == 0:
+            say(f"memory snapshots {self.memory.interval.describe()}")
         return verdict, aux_sum / acc
 
     def after_step(self, verdict: StepVerdict, aux: torch.Tensor) -> None:
@@ -355,6 +358,7 @@ class WorkerRun:
         # A restart from scratch (an attempt that died before its first checkpoint committed) is a restart
         # too, though no checkpoint carries its count.
         state.restarts = max(state.restarts, earlier_attempts)
+        self.memory.interval.begin(state.step)  # `auto`: measured over this attempt's first steps, then agreed
         return state
 
     def _forward_backward(self, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:

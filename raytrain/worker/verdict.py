@@ -25,24 +25,31 @@ class StepVerdict:
 class StepAgreement:
     """Takes the step's vote: `agree(loss, step)` -> StepVerdict, the same on every rank."""
 
-    def __init__(self, *, notice, cadence, rank: int, world: int, device: torch.device | str = "cpu"):
+    def __init__(self, *, notice, cadence, rank: int, world: int, device: torch.device | str = "cpu",
+                 snapshots=None):
         self.notice, self.cadence, self.rank, self.world = notice, cadence, rank, world
+        self.snapshots = snapshots  # the memory snapshot interval (ckpt/snapshot_interval.py): agreed once, here
         self.device = torch.device(device)  # where the flags are reduced: NCCL reduces device tensors only
 
     def agree(self, loss: torch.Tensor, step: int) -> StepVerdict:
-        """Collective. [loss, SIGTERM, drain, rank 0 wants a checkpoint], summed over ranks; the flags are
-        sent only when a notice or an agreed cadence can set them."""
-        carry = self.notice.enabled or self.cadence.agreed
+        """Collective. [loss, SIGTERM, drain, rank 0 wants a checkpoint, snapshot interval proposal], summed over
+        ranks; the flags are sent only when a notice, an agreed cadence or the snapshot interval's agreement can
+        set them."""
+        deciding = self.snapshots is not None and self.snapshots.deciding(step)
+        carry = self.notice.enabled or self.cadence.agreed or deciding
         v = loss.detach().float().reshape(1).to(self.device)
         if carry:
             sig, drain = self.notice.flags(step)
             want = self.cadence.agreed and self.rank == 0 and self.cadence.due(step)
-            v = torch.cat([v, torch.tensor([float(sig), float(drain), float(want)], device=v.device)])
+            proposal = self.snapshots.proposal() if deciding else 0.0
+            v = torch.cat([v, torch.tensor([float(sig), float(drain), float(want), proposal], device=v.device)])
         if self.world > 1:
             dist.all_reduce(v)
             v = v / self.world
         out = v.tolist()
         if carry:
             self.notice.heard(out[1] > 0, out[2] > 0)
+        if deciding:
+            self.snapshots.agreed(step, out[4])  # the mean of every rank's proposal
         due = out[3] > 0 if self.cadence.agreed else self.cadence.due(step)
         return StepVerdict(loss=out[0], preempted=self.notice.take(), checkpoint_now=due)
