@@ -218,8 +218,8 @@ class CheckpointSection(Section):
     verify_on_resume: Literal["checksum", "size"] = Field("checksum", description="how the checkpoint to resume from is checked: sha256 of every file (reads it once more) or sizes only")
     on_preemption: bool = Field(True, description="checkpoint at once when a node is drained for preemption or a worker gets SIGTERM")
     memory: bool = Field(True, description="host-memory snapshots (docs/FAULT_TOLERANCE.md): each rank copies its state into shared memory held by a per-node actor of the run, so a restarted worker group resumes from the newest snapshot instead of the last storage checkpoint; false: storage checkpoints only")
-    memory_every_n_steps: Union[Annotated[int, Field(ge=1)], Literal["auto"]] = Field("auto", description="memory snapshot interval in optimizer steps (also at every storage checkpoint); a restart redoes at most this many steps. auto: snapshots every step over an attempt's first steps, then the smallest interval whose copies cost at most memory_cost_target of throughput (measured, one interval for all ranks, logged)")
-    memory_cost_target: float = Field(0.02, gt=0.0, lt=1.0, description="memory_every_n_steps=auto: the most of the training time the snapshots' stalls may take")
+    memory_every_n_steps: Union[Annotated[int, Field(ge=1)], Literal["auto"]] = Field("auto", description="memory snapshot interval in optimizer steps (also at every storage checkpoint); a restart redoes at most this many steps. auto: every other step over an attempt's first 8 steps, which measures a snapshot's cost, then the smallest interval that keeps it under memory_cost_target of the training time (one interval for all ranks, logged)")
+    memory_cost_target: float = Field(0.02, gt=0.0, lt=1.0, description="memory_every_n_steps=auto: the most of the training time the snapshots may cost (their stalls and what their copies take from the steps after them)")
 
     @field_validator("memory_every_n_steps", mode="before")
     @classmethod
