@@ -36,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     quiet_warnings()
     quiet_progress_bars()
     try:
+        from raytrain.internals.registry import check_env
+
+        check_env()
         if args.cmd in IMPORTS_DEEPSPEED:
             quiet_deepspeed()
         return args.run(args)

@@ -200,7 +200,7 @@ class CheckpointSection(Section):
     mtbf_s: float = Field(7200.0, gt=0, description="expected seconds between interruptions (spot reclaims, failures) before any is seen; every_n_steps=auto and `raytrain cost` use it. Example figure, set it from your provider's interruption rate")
     auto_initial_cost_s: float = Field(2.0, gt=0, description="every_n_steps=auto: checkpoint cost assumed until the first checkpoint is measured")
 
-    @field_validator("every_n_steps", mode="before")
+    @field_validator("every_n_steps", "memory_every_n_steps", mode="before")
     @classmethod
     def _steps_or_auto(cls, v: Any) -> Any:
         # One plain message instead of one error per branch of the union.
@@ -221,12 +221,6 @@ class CheckpointSection(Section):
     memory_every_n_steps: Union[Annotated[int, Field(ge=1)], Literal["auto"]] = Field("auto", description="memory snapshot interval in optimizer steps (also at every storage checkpoint); a restart redoes at most this many steps. auto: every other step over an attempt's first 8 steps, which measures a snapshot's cost, then the smallest interval that keeps it under memory_cost_target of the training time (one interval for all ranks, logged)")
     memory_cost_target: float = Field(0.02, gt=0.0, lt=1.0, description="memory_every_n_steps=auto: the most of the training time the snapshots may cost (their stalls and what their copies take from the steps after them)")
 
-    @field_validator("memory_every_n_steps", mode="before")
-    @classmethod
-    def _memory_steps_or_auto(cls, v: Any) -> Any:
-        if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
-            return v
-        raise ValueError("must be a whole number of steps >= 1 or 'auto'")
     memory_budget_gb: float = Field(0.0, ge=0, description="most GiB of snapshots per node (two generations per rank, 12 x params / data-parallel ranks bytes each); over it: one warning and storage-only recovery. 0: only the free space of memory_dir limits it")
     memory_peer_every_n_steps: int = Field(1, ge=0, description="copy each rank's newest snapshot to the next node's actor every this many steps, so the loss of one node restores from memory:peer; a copy still in flight skips the next ones (the rate limit). Bytes per node per copy: 12 x params / nodes. 0: no peer copy")
     memory_fetch_timeout_s: float = Field(60.0, gt=0, description="a restore waits this long for another node's actor to send a rank's snapshot")

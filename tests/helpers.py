@@ -173,3 +173,19 @@ metric_list:
     higher_is_better: true
 """)
     return d
+
+
+def tensorboard_scalars(d: Path) -> dict[str, dict[int, float]]:
+    """{tag: {step: value}} over the event files in d, oldest file first (a step an attempt wrote again: its value)."""
+    from tensorboardX.proto import event_pb2
+
+    scalars: dict[str, dict[int, float]] = {}
+    for path in sorted(d.glob("events.out.tfevents.*")):  # named by their creation time
+        data, i = path.read_bytes(), 0
+        while i < len(data):
+            n = int.from_bytes(data[i:i + 8], "little")
+            ev = event_pb2.Event.FromString(data[i + 12:i + 12 + n])
+            i += 12 + n + 4
+            for v in ev.summary.value:
+                scalars.setdefault(v.tag, {})[ev.step] = v.simple_value
+    return scalars

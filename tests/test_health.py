@@ -11,6 +11,7 @@ from raytrain.config import load_config
 from raytrain.worker.health import (CPU_DEFAULTS, GPU_DEFAULTS, HealthMonitor, LossSpike, Memory, Thresholds,
                                     oom_message)
 from raytrain.worker.telemetry import peak_tflops
+from tests.helpers import tensorboard_scalars
 
 
 def _monitor(*overrides, gpu=False, clock=None):
@@ -148,20 +149,9 @@ def test_injected_nan_rolls_back_and_skips_the_window(ray_cluster, tiny_data, tm
     state = json.loads((tmp_path / "nanrun" / "checkpoint_00000010" / "raytrain_state.json").read_text())
     assert state["step"] == 10 and state["samples_seen"] == 13 * gb and state["tokens_seen"] == 10 * gb * 32
     # TensorBoard event files hold the same losses.
-    from tensorboardX.proto import event_pb2
-
     tb = list((tmp_path / "nanrun" / "tensorboard").glob("events.out.tfevents.*"))
     assert tb, "no TensorBoard event file"
-    scalars = {}
-    for path in tb:
-        data = path.read_bytes()
-        i = 0
-        while i < len(data):
-            n = int.from_bytes(data[i:i + 8], "little")
-            ev = event_pb2.Event.FromString(data[i + 12:i + 12 + n])
-            i += 12 + n + 4
-            for v in ev.summary.value:
-                scalars.setdefault(v.tag, {})[ev.step] = v.simple_value
+    scalars = tensorboard_scalars(tmp_path / "nanrun" / "tensorboard")
     assert scalars["loss"][10] == pytest.approx(losses[10], rel=1e-5) and 10 in scalars["tokens_per_s"]
 
 

@@ -323,3 +323,11 @@ def test_muon_modules_are_deepspeeds_own_when_forced_stock():
     out = _muon_probe(RAYTRAIN_INTERNALS="stock")
     assert out["set_aside"] == [False] * 4 and out["compiler_loaded"], out
     assert out["muon_real"], out
+
+
+def test_a_bad_value_of_the_switch_is_one_line_and_exit_2():
+    env = {**os.environ, "RAYTRAIN_INTERNALS": "off"}
+    out = subprocess.run([sys.executable, "-m", "raytrain", "config", "--config", "tiny"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr.strip().count("\n") == 0, out.stderr
+    assert "RAYTRAIN_INTERNALS='off' is not understood: set it to 'stock'" in out.stderr

@@ -15,7 +15,7 @@ import pytest
 
 from raytrain.rundir import METRICS, TRACKERS, RunDir
 from raytrain.trainer import train
-from tests.helpers import free_port, mlflow_server_exe, tiny_cfg
+from tests.helpers import free_port, mlflow_server_exe, tensorboard_scalars, tiny_cfg
 
 
 def _start_mlflow_server(d):
@@ -132,22 +132,6 @@ def test_one_tracker_run_each_through_a_crash_a_resize_and_a_rollback(mlflow_run
     assert 1 <= len(runs) <= 3 and all(r.endswith(f"-{wandb_id}") for r in runs), runs
 
 
-def _tensorboard_scalars(d: Path) -> dict[str, dict[int, float]]:
-    """{tag: {step: value}} over the event files in d, oldest file first (a step an attempt wrote again: its value)."""
-    from tensorboardX.proto import event_pb2
-
-    scalars: dict[str, dict[int, float]] = {}
-    for path in sorted(d.glob("events.out.tfevents.*")):  # named by their creation time
-        data, i = path.read_bytes(), 0
-        while i < len(data):
-            n = int.from_bytes(data[i:i + 8], "little")
-            ev = event_pb2.Event.FromString(data[i + 12:i + 12 + n])
-            i += 12 + n + 4
-            for v in ev.summary.value:
-                scalars.setdefault(v.tag, {})[ev.step] = v.simple_value
-    return scalars
-
-
 def test_every_sink_gets_every_kind_of_record_through_a_crash_a_resize_and_a_rollback(mlflow_run, mlflow_server):
     """One path (worker/records.py's RecordWriter): metrics.jsonl, TensorBoard and the tracker (MLflow) hold the
     step-0 validation, the steps, validations, checkpoints, the rollback and the downstream evaluations; Ray Train's
@@ -164,7 +148,7 @@ def test_every_sink_gets_every_kind_of_record_through_a_crash_a_resize_and_a_rol
     assert len(val0) == 1 and rollbacks == [(10, 11, 10)] and checkpoints == evals == [5, 10, 12], recs
     assert sorted(r["step"] for r in recs if "val_loss" in r) == [0, 5, 10, 12]
 
-    tb = _tensorboard_scalars(run_dir / "tensorboard")
+    tb = tensorboard_scalars(run_dir / "tensorboard")
     assert tb["val_loss"][0] == pytest.approx(val0[0], rel=1e-5) and sorted(tb["val_loss"]) == [0, 5, 10, 12]
     assert sorted(tb["loss"]) == list(range(1, 13))
     assert tb["bad_step"] == {10: 11.0} and tb["resumed_from"] == {10: 10.0}

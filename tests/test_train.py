@@ -38,6 +38,13 @@ def _losses(run_uri: str) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in recs}
 
 
+def _assert_losses_of_all_12_steps_equal(run_uri: str, want: dict[int, float]) -> None:
+    got = _losses(run_uri)
+    assert sorted(got) == list(range(1, 13))
+    for step in range(1, 13):
+        assert got[step] == pytest.approx(want[step], abs=1e-5), step
+
+
 @pytest.fixture(scope="module")
 def baseline(ray_cluster, tiny_data, tmp_path_factory):
     """An uninterrupted 12-step run, checkpointing every 4 steps."""
@@ -130,10 +137,7 @@ def test_crashed_worker_resumes_with_identical_losses(ray_cluster, tiny_data, tm
                     inject={"crash_at_step": 6, "marker": str(tmp_path / "crashed"), "rank": 1})
     assert (tmp_path / "crashed").exists(), "the fault was not injected"
     assert summary["restarts"] == 1
-    got = _losses(cfg.run_uri)
-    assert sorted(got) == list(range(1, 13))
-    for step in range(1, 13):
-        assert got[step] == pytest.approx(want[step], abs=1e-5), step
+    _assert_losses_of_all_12_steps_equal(cfg.run_uri, want)
     assert _crcs(cfg.run_uri) == _crcs(mix_baseline[0]["run_uri"])
     # Restored from host memory: the newest step both ranks' node snapshots hold (rank 1 died right after step 6's
     # optimizer step, before its copy), not storage's checkpoint 4; recorded in restores.jsonl.
@@ -310,10 +314,7 @@ def test_sigterm_checkpoints_at_once_and_resumes_identically(ray_cluster, tiny_d
     counted = {r["step"]: r["preemptions"] for r in _metrics(cfg.run_uri) if "loss" in r}
     assert all(n == (1 if step >= noticed[0] else 0) for step, n in counted.items()), counted
     assert summary["preemptions"] == 1
-    got = _losses(cfg.run_uri)
-    assert sorted(got) == list(range(1, 13))
-    for step in range(1, 13):
-        assert got[step] == pytest.approx(want[step], abs=1e-5), step
+    _assert_losses_of_all_12_steps_equal(cfg.run_uri, want)
     assert _crcs(cfg.run_uri) == _crcs(baseline[0]["run_uri"])
 
 
@@ -350,10 +351,7 @@ def test_every_internals_gate_closed_a_run_still_survives_a_preemption_and_a_kil
                                                                   ("storage", dir_name(4))], restores
     assert not any("snapshot_stall_s" in r for r in _metrics(cfg.run_uri))  # memory tier off
     assert not any("controller" in a for a in RunDir(cfg.run_uri).read_jsonl(ATTEMPTS))  # phases not recorded
-    got = _losses(cfg.run_uri)
-    assert sorted(got) == list(range(1, 13))
-    for step in range(1, 13):
-        assert got[step] == pytest.approx(want[step], abs=1e-5), step
+    _assert_losses_of_all_12_steps_equal(cfg.run_uri, want)
     out = export(f"{cfg.run_uri}/{dir_name(12)}", str(tmp_path / "model"), log=lambda *_: None)
     assert (tmp_path / "model" / "config.json").exists(), out
 
@@ -372,10 +370,7 @@ def test_a_snapshot_one_rank_cannot_apply_sends_every_rank_to_storage(ray_cluste
     assert refused["source"] == "memory" and not refused["ok"] and refused["step"] == 5, refused
     assert refused["reason"] == "rank 1: RuntimeError: injected: rank 1 cannot apply its memory snapshot", refused
     assert restored["source"] == "storage" and restored["checkpoint"] == dir_name(4) and restored["ok"], restored
-    got = _losses(cfg.run_uri)
-    assert sorted(got) == list(range(1, 13))
-    for step in range(1, 13):
-        assert got[step] == pytest.approx(want[step], abs=1e-5), step
+    _assert_losses_of_all_12_steps_equal(cfg.run_uri, want)
 
 
 def test_auto_snapshot_interval_widens_for_a_slow_copy_and_a_kill_redoes_at_most_it_plus_one(
@@ -397,7 +392,4 @@ def test_auto_snapshot_interval_widens_for_a_slow_copy_and_a_kill_redoes_at_most
     (rec,) = RunDir(cfg.run_uri).read_jsonl("restores.jsonl")
     assert rec["source"] == "memory:local" and rec["step"] == 8, rec
     assert 11 - rec["step"] <= 4 + 1
-    got = _losses(cfg.run_uri)
-    assert sorted(got) == list(range(1, 13))
-    for step in range(1, 13):
-        assert got[step] == pytest.approx(want[step], abs=1e-5), step
+    _assert_losses_of_all_12_steps_equal(cfg.run_uri, want)

@@ -44,6 +44,16 @@ def installed(package: str) -> Optional[str]:
         return None
 
 
+def check_env() -> None:
+    """RAYTRAIN_INTERNALS, checked where a command starts: unset, empty or "stock"."""
+    value = os.environ.get(FORCE_ENV, "").strip().lower()
+    if value not in ("", "stock"):
+        from raytrain.errors import UserError
+
+        raise UserError(f"{FORCE_ENV}={os.environ[FORCE_ENV]!r} is not understood: set it to 'stock' (every reach "
+                        "into another package's private code off, raytrain/internals) or unset it")
+
+
 def forced_stock() -> bool:
     return os.environ.get(FORCE_ENV, "").strip().lower() == "stock"
 

@@ -332,11 +332,12 @@ class WorkerRun:
         resumed = find_resume_point(cfg.run_uri, rank, deep=cfg.checkpoint.verify_on_resume == "checksum",
                                     local_dir=cfg.checkpoint.local_dir,
                                     tensor_parallel=cfg.deepspeed.tensor_parallel_size > 1)
-        where = f"checkpoint {dir_name(peek_state(resumed).step)}" if resumed is not None else "nothing"
+        point = peek_state(resumed) if resumed is not None else None  # its counters: a few bytes, read once
+        where = f"checkpoint {dir_name(point.step)}" if point is not None else "nothing"
         if rank == 0:
             say(f"warning: memory snapshot of step {step} not applied ({refused}); every rank restores from {where} "
                 "in storage")
-        if resumed is None or peek_state(resumed).world_size != self.world:
+        if point is None or point.world_size != self.world:
             # The engine was built to be overwritten (no random init) at this world size: a new attempt builds
             # the right one, and these snapshots are gone, so it starts from storage.
             raise RuntimeError(f"memory snapshot of step {step} not applied ({refused}); restarting to restore "
