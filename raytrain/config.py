@@ -76,12 +76,20 @@ class ModelConfig(Section):
     init_std: float = Field(0.02, gt=0.0, description="std of the normal weight init")
     attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="torch SDPA (flash / memory-efficient kernels where available) or eager")
     activation_checkpointing: bool = Field(False, description="recompute activations in backward: less memory, ~30% more compute")
-    compile: bool = Field(False, description="torch.compile the model (DeepSpeed's engine.compile, inductor backend): the first step waits for compilation (tens of seconds), later steps can be faster, mostly on GPU")
+    compile: Union[bool, Literal["auto"]] = Field("auto", description="torch.compile (inductor), block by block so the identical blocks compile once (ZeRO-3: DeepSpeed's engine.compile of the whole model): the first steps wait for compilation (tens of seconds), later ones are faster on GPU. auto: on for GPU workers, off on CPU (where compiling costs more than it gives at small sizes) and with LoRA")
+    loss: Literal["auto", "chunked", "full"] = Field("auto", description="training and validation loss kernel. chunked: cross entropy fused with the output projection, chunk by chunk, so the micro-batch's [tokens, vocab] fp32 logits never exist (ZeRO 0-2, no tensor parallelism, no LoRA); full: logits, then cross entropy. auto: chunked where it applies")
     moe_experts: int = Field(8, ge=2, description="mixtral only: experts per MoE layer")
     moe_top_k: int = Field(2, ge=1, description="mixtral only: experts each token is routed to (top-k routing; dropless, so there is no capacity factor)")
     moe_aux_loss_coef: float = Field(0.01, ge=0.0, description="mixtral only: weight of the router's load-balancing loss added to the training loss (logged as aux_loss)")
     lora: LoraSection = Field(default_factory=LoraSection, description="LoRA adapters (model.lora.r > 0)")
     init_from: Optional[str] = Field(None, description="fine-tune: start from this Hugging Face model directory (local or s3://, e.g. a `raytrain export`); its config sets the model shape, and the data must use its tokenizer")
+
+    @field_validator("compile", mode="before")
+    @classmethod
+    def _bool_or_auto(cls, v: Any) -> Any:
+        if v == "auto" or isinstance(v, bool):
+            return v
+        raise ValueError("must be true, false or 'auto'")
 
     @model_validator(mode="after")
     def _heads_divide(self) -> "ModelConfig":
@@ -146,7 +154,7 @@ class OptimConfig(Section):
     decay: Literal["cosine", "linear", "constant"] = Field("cosine", description="decay after warmup, over the rest of run.max_steps")
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="final lr as a fraction of lr")
     grad_clip: float = Field(1.0, ge=0.0, description="global gradient-norm clip; 0 disables")
-    fused: Literal["torch", "deepspeed", "none"] = Field("torch", description="GPU only: torch's fused AdamW kernel, DeepSpeed's FusedAdam (a CUDA op JIT-built on first use) or torch's multi-tensor AdamW; CPU always uses torch's AdamW")
+    fused: Literal["torch", "deepspeed", "none"] = Field("torch", description="torch's fused AdamW kernel (GPU and CPU), DeepSpeed's FusedAdam (GPU: a CUDA op JIT-built on first use; CPU: torch's fused AdamW) or torch's multi-tensor AdamW (none)")
 
 
 class PrecisionConfig(Section):
@@ -440,9 +448,28 @@ class Config(Section):
         if self.deepspeed.tensor_parallel_size > 1:
             raise ValueError("model.lora with deepspeed.tensor_parallel_size > 1 is not supported (AutoTP slices the "
                              "layers peft wraps); use 1")
-        if self.model.compile:
-            raise ValueError("model.lora with model.compile=true is not supported; set model.compile=false")
+        if self.model.compile is True:
+            raise ValueError("model.lora with model.compile=true is not supported; set model.compile=false or auto")
+        if self.model.loss == "chunked":
+            raise ValueError("model.lora with model.loss=chunked is not supported; set model.loss=full or auto")
         return self
+
+    @model_validator(mode="after")
+    def _chunked_loss_fits(self) -> "Config":
+        """The chunked loss reads the output projection's weight itself: whole, on this rank."""
+        if self.model.loss == "chunked" and self.deepspeed.zero_stage == 3:
+            raise ValueError("model.loss=chunked needs deepspeed.zero_stage 0-2 (ZeRO-3 gathers the output "
+                             "projection only inside its own forward); set model.loss=full or auto")
+        if self.model.loss == "chunked" and self.deepspeed.tensor_parallel_size > 1:
+            raise ValueError("model.loss=chunked needs deepspeed.tensor_parallel_size=1; set model.loss=full or auto")
+        return self
+
+    @property
+    def chunked_loss(self) -> bool:
+        """Whether the loss is the chunked one (model.loss, auto resolved)."""
+        if self.model.loss != "auto":
+            return self.model.loss == "chunked"
+        return self.deepspeed.zero_stage < 3 and self.deepspeed.tensor_parallel_size == 1 and self.model.lora.r <= 0
 
     @model_validator(mode="after")
     def _batch_consistent(self) -> "Config":

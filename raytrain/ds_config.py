@@ -73,10 +73,10 @@ def optimizer_impl(cfg: Config, cuda: bool) -> dict[str, Any]:
     if cfg.deepspeed.offload_optimizer == "nvme":
         return {}  # DeepSpeed's optimizer swapper works with its own CPU Adam only
     if not cuda:
-        # On CPU the fused/compiled Adam variants, and DeepSpeed's CPU Adam for offloaded state, need JIT builds
-        # (CPU Adam: ~70 s of gcc on a 2-core machine at first use) and give nothing: every tensor is on the CPU
-        # already, and torch's AdamW steps it there.
-        return {"torch_adam": True}
+        # On CPU DeepSpeed's Adam variants, its CPU Adam for offloaded state too, need JIT builds (CPU Adam: ~70 s
+        # of gcc on a 2-core machine at first use) and give nothing: every tensor is on the CPU already, and
+        # torch's AdamW steps it there, fused (one pass over the state, built into torch) unless optim.fused=none.
+        return {"torch_adam": True, "fused": cfg.optim.fused != "none"}
     if cfg.deepspeed.offload_optimizer != "none":
         return {}  # DeepSpeed's CPU Adam (SIMD, threaded) runs the offloaded step off the GPU
     if cfg.optim.fused == "torch":

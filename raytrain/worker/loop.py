@@ -22,7 +22,7 @@ from raytrain.config import Config
 from raytrain.console import say
 from raytrain.rundir import RESTORES, RunDir
 from raytrain.data.manifest import Split
-from raytrain.ds_config import build_ds_config, lr_lambda, resolve_dtype
+from raytrain.ds_config import build_ds_config, resolve_dtype
 from raytrain.errors import UserError
 from raytrain.ckpt.layout import dir_name, step_of
 from raytrain.ckpt.host_snapshots import MemoryTier, apply as apply_snapshot, check as check_snapshot
@@ -32,8 +32,7 @@ from raytrain.ckpt.state import TrainState
 from raytrain.ckpt.writer import CheckpointWriter
 from raytrain import lora
 from raytrain.faults import Faults
-from raytrain.internals.deepspeed import set_muon_aside
-from raytrain.model import build_model, compile_engine, flops_per_token, moe_aux_loss, param_counts, param_groups
+from raytrain.model import build_model, flops_per_token, moe_aux_loss, param_counts
 from raytrain.quiet import no_stdout, quiet_worker
 from raytrain.worker.comm import watch_for_run
 from raytrain.worker.data_plane import DataPlane
@@ -42,6 +41,7 @@ from raytrain.worker.evaluate import evaluator_for
 from raytrain.worker import host_heap
 from raytrain.worker.loss import StepLoss
 from raytrain.worker.interval import cadence_for, run_history
+from raytrain.worker.engine import make_engine
 from raytrain.worker.preemption import PreemptionNotice
 from raytrain.worker.records import RecordWriter
 from raytrain.worker.runlog import Attempt, RunLog, progress_every
@@ -170,7 +170,7 @@ class WorkerRun:
         if self.rank == 0:
             say(_banner(self.cfg, n_params=self.n_params, world=self.world, dp_size=self.dp_size, dtype=self.dtype,
                         resumed_step=self.state.step if self.resumed_from or self.from_memory else None,
-                        cadence=self.cadence))
+                        cadence=self.cadence, kernels=self.kernels))
             if self.lora_base is not None:
                 say(lora.describe(self.engine.module, self.cfg.model, self.n_params))
         if self.evaluate and self.state.step == 0:
@@ -278,6 +278,7 @@ class WorkerRun:
             self.log.write_summary(self.cfg, self.state, checkpoint=self.writer.committed or self.resumed_from,
                                    params=self.n_params,
                                    extra={**self.tel.summary(), **data_stats, **self.downstream.summary(), **tracked,
+                                          "kernels": self.kernels,
                                           **({"trainable_params": lora.trainable_count(self.engine.module)}
                                              if self.lora_base is not None else {})})
         self.tel.close()
@@ -288,8 +289,6 @@ class WorkerRun:
     def _build_engine(self, resumed, train_split: Split, device) -> tuple[object, int, int]:
         """The model, built for this config (ZeRO-3 partitioned as it is created, ZeRO-0/1/2 in the training
         dtype), and its DeepSpeed engine, which reuses the process group Ray Train set up."""
-        import deepspeed
-
         cfg, cuda = self.cfg, self.cuda
         resharding = resumed is not None and peek_state(resumed).world_size != self.world
         vocab = cfg.model.vocab_size or train_split.vocab_size
@@ -306,13 +305,7 @@ class WorkerRun:
         n_params, n_active = param_counts(model, cfg.model)  # active per token (MoE: top-k experts): the FLOPs behind MFU
         model, self.lora_base = lora.prepare_model(model, cfg.model, seed=cfg.run.seed)  # peft when model.lora.r > 0
         self.boot["model"] = time.time()
-        set_muon_aside(ds_config)  # DeepSpeed's Muon modules compile kernels at import (raytrain/internals/deepspeed.py)
-        with no_stdout():
-            engine, _, _, _ = deepspeed.initialize(
-                model=model, model_parameters=param_groups(model, cfg.optim.weight_decay), config=ds_config,
-                lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg)),
-                dist_init_required=False)
-        compile_engine(engine, cfg.model)
+        engine, self.kernels = make_engine(model, cfg, ds_config=ds_config, cuda=cuda)
         return engine, n_params, n_active
 
     def _vote_on_memory(self):
@@ -483,10 +476,12 @@ def _device(cfg: Config, train_torch) -> tuple[bool, torch.device]:
     return cuda, device
 
 
-def _banner(cfg: Config, *, n_params: int, world: int, dp_size: int, dtype: str, resumed_step, cadence) -> str:
+def _banner(cfg: Config, *, n_params: int, world: int, dp_size: int, dtype: str, resumed_step, cadence,
+            kernels: dict) -> str:
     mb, acc, gb, seq = cfg.batch.micro_batch_size, cfg.accumulation, cfg.global_batch, cfg.model.seq_len
     workers = f"{world} workers" if dp_size == world else f"{dp_size} data-parallel x {world // dp_size} tensor-parallel workers"
     return (f"{cfg.model.family} {n_params/1e6:.2f}M params | {workers} x micro_batch {mb} x "
             f"accumulation {acc} = global batch {gb} sequences ({gb*seq} tokens) | ZeRO-{cfg.deepspeed.zero_stage} "
-            f"{dtype} | {'resuming from step ' + str(resumed_step) if resumed_step is not None else 'fresh start'} | "
+            f"{dtype} | compiled: {kernels['compiled']}, loss: {kernels['loss']}, {kernels['optimizer']} | "
+            f"{'resuming from step ' + str(resumed_step) if resumed_step is not None else 'fresh start'} | "
             f"checkpoints {cadence.describe()}")

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from raytrain.worker.linear_ce import chunked_head, hidden_out, linear_cross_entropy
+
 
 def is_example_rows(rows, window: int) -> bool:
     """Rows of a fine-tuning split (three columns side by side) rather than plain token windows."""
@@ -44,15 +46,32 @@ def document_inputs(seg: torch.Tensor) -> dict:
     return {"position_ids": idx - start, "attention_mask": mask[:, None]}
 
 
-def token_losses(model, rows: torch.Tensor, *, window: int, document_mask: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cross entropy per target [b, window - 1], weight per target): weight 1 everywhere for text rows, the loss
-    mask for example rows (whose attention stays inside each example with document_mask)."""
+def _targets(rows: torch.Tensor, *, window: int, document_mask: bool) -> tuple[torch.Tensor, torch.Tensor, dict,
+                                                                               torch.Tensor]:
+    """(input ids, targets, extra model inputs, weight per target [b, window - 1]): weight 1 everywhere for text
+    rows, the loss mask for example rows (whose attention stays inside each example with document_mask)."""
     if not is_example_rows(rows, window):
-        ce = cross_entropy(model(input_ids=rows[:, :-1]).logits, rows[:, 1:])
-        return ce, torch.ones(len(rows), window - 1, device=rows.device)
+        return rows[:, :-1], rows[:, 1:], {}, torch.ones(len(rows), window - 1, device=rows.device)
     tok = rows[:, :window]
     extra = document_inputs(rows[:, 2 * window:3 * window - 1]) if document_mask else {}
-    return cross_entropy(model(input_ids=tok[:, :-1], **extra).logits, tok[:, 1:]), learned_weight(rows, window)
+    return tok[:, :-1], tok[:, 1:], extra, learned_weight(rows, window)
+
+
+def token_losses(model, rows: torch.Tensor, *, window: int, document_mask: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cross entropy per target [b, window - 1], weight per target), through the whole logits."""
+    ids, targets, extra, weight = _targets(rows, window=window, document_mask=document_mask)
+    return cross_entropy(model(input_ids=ids, **extra).logits, targets), weight
+
+
+def weighted_loss(model, ids: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor, extra: dict) -> torch.Tensor:
+    """sum(weight x cross entropy), fp32: chunk by chunk when the model takes the chunked loss (worker/linear_ce.py;
+    no [tokens, vocab] logits), else through the whole logits."""
+    head = chunked_head(model)
+    if head is None:
+        return (cross_entropy(model(input_ids=ids, **extra).logits, targets) * weight).sum()
+    with hidden_out(head):
+        hidden = model(input_ids=ids, **extra).logits
+    return linear_cross_entropy(hidden, head.weight, targets, weight, bias=head.bias)
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -88,11 +107,11 @@ class StepLoss:
         self.scale = self.acc * self.dp_size / max(n_global, 1.0)
 
     def __call__(self, engine, x: torch.Tensor) -> torch.Tensor:
-        if self.scale is None:
-            ce, _ = token_losses(engine, x, window=self.window, document_mask=False)
-            return ce.mean()
-        ce, weight = token_losses(engine, x, window=self.window, document_mask=self.document_mask)
-        return (ce * weight).sum() * self.scale
+        ids, targets, extra, weight = _targets(x, window=self.window,
+                                               document_mask=self.document_mask and self.scale is not None)
+        # text rows: the micro-batch's mean; example rows: its share of the global batch's masked mean
+        weight = weight / weight.numel() if self.scale is None else weight * self.scale
+        return weighted_loss(engine, ids, targets, weight, extra)
 
 
 def _all_reduce(x: torch.Tensor) -> torch.Tensor:
@@ -110,8 +129,8 @@ def loss_sums(model, rows: np.ndarray, *, micro_batch: int, window: int, documen
     for i in range(0, len(rows), micro_batch):
         x = torch.from_numpy(np.array(rows[i:i + micro_batch], dtype=np.int64))
         x = x.to(device) if device is not None else x
-        ce, weight = token_losses(model, x, window=window, document_mask=document_mask)
-        keep = max(0, valid - i)
-        total += float((ce[:keep].double() * weight[:keep]).sum())
-        count += float(weight[:keep].sum())
+        ids, targets, extra, weight = _targets(x, window=window, document_mask=document_mask)
+        weight[max(0, valid - i):] = 0.0  # padding rows are not counted
+        total += float(weighted_loss(model, ids, targets, weight, extra))
+        count += float(weight.double().sum())
     return total, count

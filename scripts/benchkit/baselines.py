@@ -4,6 +4,10 @@ Same model (raytrain.model.build_model), same micro-batch, same optimizer settin
 no Ray, no DeepSpeed (CPU), data read once into memory up front so the baseline pays nothing for it.
 Each loop runs in fresh processes (torch.multiprocessing, spawn) so thread settings and imports
 start clean, and writes its per-window tokens/s to a JSON file.
+
+Frozen as of commit 3653663: the loops do not inherit raytrain's later step-path work (its chunked loss, fused
+CPU AdamW, compilation by default). Their DeepSpeed config is 3653663's (`frozen_ds_config`), the loss is full
+logits then cross entropy, and they compile only with model.compile=true, the whole model as 3653663 did.
 """
 
 from __future__ import annotations
@@ -22,6 +26,28 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def frozen_ds_config(cfg, world: int, dtype: str, cuda: bool) -> dict:
+    """The DeepSpeed config raytrain built at commit 3653663 for these loops (no offload, no tensor parallelism):
+    torch's AdamW, fused on GPU, plain on CPU."""
+    o = cfg.optim
+    conf = {
+        "train_micro_batch_size_per_gpu": cfg.batch.micro_batch_size,
+        "gradient_accumulation_steps": cfg.accumulation,
+        "train_batch_size": cfg.batch.micro_batch_size * cfg.accumulation * world,
+        "gradient_clipping": o.grad_clip,
+        "optimizer": {"type": "AdamW", "params": {"lr": o.lr, "betas": list(o.betas), "eps": o.eps,
+                                                  "weight_decay": o.weight_decay, "torch_adam": True,
+                                                  **({"fused": True} if cuda else {})}},
+        "zero_optimization": {"stage": cfg.deepspeed.zero_stage},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if dtype == "bf16":
+        conf["bf16"] = {"enabled": True}
+    return conf
+
+
 def _rows(split_dict: dict) -> np.ndarray:
     from raytrain.data.manifest import Split
     from raytrain.data.reader import read_rows
@@ -37,8 +63,7 @@ def _worker(rank: int, world: int, port: int, cfg_dict: dict, split_dict: dict, 
 
     from raytrain.config import Config
     from raytrain.ds_config import lr_lambda
-    from raytrain.model import build_model, compile_engine
-    from raytrain.model import param_groups
+    from raytrain.model import build_model, param_groups
 
     cfg = Config.model_validate(cfg_dict)
     torch.set_num_threads(max(1, int(cfg.scaling.cpus_per_worker)))
@@ -58,20 +83,19 @@ def _worker(rank: int, world: int, port: int, cfg_dict: dict, split_dict: dict, 
         quiet_deepspeed()  # imported as a training worker does (no shm op built)
         import deepspeed
 
-        from raytrain.ds_config import build_ds_config
-
         engine, _, _, _ = deepspeed.initialize(
             model=model, model_parameters=param_groups(model, o.weight_decay),
-            config=build_ds_config(cfg, world, "fp32", False), dist_init_required=False,
+            config=frozen_ds_config(cfg, world, "fp32", False), dist_init_required=False,
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg)))
-        compile_engine(engine, cfg.model)  # model.compile, as raytrain's loop does it
+        if cfg.model.compile is True:
+            engine.compile()  # the whole model, as 3653663's loop did it
     else:
         opt = torch.optim.AdamW(param_groups(model, o.weight_decay), lr=o.lr, betas=tuple(o.betas), eps=o.eps)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
         if world > 1:
             model = torch.nn.parallel.DistributedDataParallel(model)
         model.train()
-        if cfg.model.compile:
+        if cfg.model.compile is True:
             model.compile()
     mb, seq = cfg.batch.micro_batch_size, cfg.model.seq_len
     gb = mb * world
@@ -134,9 +158,7 @@ def deepspeed_gpu_loop(cfg, vocab: int, steps: int, warmup: int) -> float:
     import torch
     import torch.nn.functional as F
 
-    from raytrain.ds_config import build_ds_config
-    from raytrain.model import build_model
-    from raytrain.model import param_groups
+    from raytrain.model import build_model, param_groups
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
@@ -145,7 +167,7 @@ def deepspeed_gpu_loop(cfg, vocab: int, steps: int, warmup: int) -> float:
     os.environ.setdefault("WORLD_SIZE", "1")
     deepspeed.init_distributed("nccl")
     model = build_model(cfg.model, vocab, cfg.run.seed)
-    ds = build_ds_config(cfg, 1, "bf16", True)
+    ds = frozen_ds_config(cfg, 1, "bf16", True)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model, cfg.optim.weight_decay),
                                            config=ds, dist_init_required=False)
     mb, seq = cfg.batch.micro_batch_size, cfg.model.seq_len

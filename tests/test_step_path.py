@@ -1,0 +1,142 @@
+"""The step path's kernels (worker/engine.py, worker/linear_ce.py): compiled blocks, the chunked loss and the
+fused AdamW train to commit 3653663's losses; the chunked loss never makes the [tokens, vocab] fp32 logits."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from raytrain.config import load_config
+from raytrain.model import build_model, compiles
+from raytrain.worker.linear_ce import chunked_head, linear_cross_entropy, use_chunked_loss
+from raytrain.worker.loss import StepLoss
+
+ROOT = Path(__file__).resolve().parent.parent
+REFERENCE = json.loads((ROOT / "tests/data/numerics_3653663.json").read_text())
+
+_RUN = """
+import json, sys
+sys.path.insert(0, {scripts!r})
+import torch._dynamo.utils
+from raytrain.config import load_config
+from benchkit.step_path import counting_rows, run
+ref = json.load(open({ref!r}))
+cfg = load_config("tiny", ref["overrides"] + {extra!r})
+out = run(cfg, counting_rows(ref["rows"], cfg.model.seq_len + 1, ref["vocab"]), vocab=ref["vocab"], cuda=False, steps=20)
+out["unique_graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+print("RESULT " + json.dumps(out))
+"""
+
+
+def _run(*extra: str) -> dict:
+    code = _RUN.format(scripts=str(ROOT / "scripts"), ref=str(ROOT / "tests/data/numerics_3653663.json"),
+                       extra=list(extra))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT "):])
+
+
+@pytest.mark.slow
+def test_compiled_chunked_fused_step_path_matches_3653663():
+    """20 steps of 2 micro-batches: compiled blocks + chunked loss + fused AdamW give 3653663's losses (rtol 1e-4);
+    dynamo compiled graphs, the optimizer ran fused, and the loss fell."""
+    out = _run("model.compile=true", "model.loss=chunked", "optim.fused=torch")
+    assert out["kernels"] == {"compiled": "2 blocks", "loss": "chunked", "optimizer": "AdamW (fused)"}, out["kernels"]
+    assert out["unique_graphs"] >= 1, "torch.compile compiled nothing"
+    assert out["losses"] == pytest.approx(REFERENCE["losses"], rel=1e-4)
+    assert out["losses"][-1] < out["losses"][0] - 0.5
+
+
+def _tiny_model(vocab: int = 300):
+    cfg = load_config("tiny", ["data.train=/nowhere", "model.n_layer=1", "model.hidden_size=32", "model.n_head=2",
+                               "model.seq_len=32"])
+    return build_model(cfg.model, vocab, seed=0)
+
+
+class _Float32Sizes(TorchDispatchMode):
+    """Records the element count of every fp32 tensor an op returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
+                self.sizes.append(t.numel())
+        return out
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_chunked_loss_never_makes_the_whole_fp32_logits(chunked):
+    """Forward and backward of a micro-batch's loss: the full path makes [b, seq, vocab] fp32 tensors (the
+    detector works), the chunked one none as large; both give the same loss and gradients."""
+    b, seq, vocab = 4, 32, 300
+    model = _tiny_model(vocab)
+    if chunked:
+        use_chunked_loss(model)
+    data_cfg = load_config("tiny", ["data.train=/nowhere"]).data
+    loss_fn = StepLoss(data_cfg, window=seq + 1, accumulation=1, world=1, dp_size=1, device=torch.device("cpu"))
+    x = torch.from_numpy(__import__("numpy").random.default_rng(0).integers(0, vocab, (b, seq + 1)))
+    loss_fn.begin(x.numpy())
+    with _Float32Sizes() as seen:
+        loss = loss_fn(model, x)
+        loss.backward()
+    whole = b * seq * vocab
+    assert (max(seen.sizes) >= whole) is (not chunked), (max(seen.sizes), whole)
+    reference = _tiny_model(vocab)
+    logits = reference(input_ids=x[:, :-1]).logits
+    ref_loss = F.cross_entropy(logits.float().reshape(-1, vocab), x[:, 1:].reshape(-1))
+    ref_loss.backward()
+    assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6), name
+
+
+def test_chunked_head_keeps_names_and_plain_forward():
+    """The head swap changes neither the state dict nor what the model returns outside the loss."""
+    model, plain = _tiny_model(), _tiny_model()
+    use_chunked_loss(model)
+    assert chunked_head(model) is not None and chunked_head(plain) is None
+    assert list(model.state_dict()) == list(plain.state_dict())
+    x = torch.arange(10)[None]
+    assert torch.equal(model(input_ids=x).logits, plain(input_ids=x).logits)
+
+
+def test_linear_cross_entropy_matches_logits_in_bf16_and_with_bias():
+    torch.manual_seed(0)
+    n, h, v = 70, 16, 300
+    for dtype in (torch.float32, torch.bfloat16):
+        hidden = torch.randn(n, h, dtype=dtype, requires_grad=True)
+        weight = (torch.randn(v, h) * 0.1).to(dtype).requires_grad_()
+        bias = (torch.randn(v) * 0.1).to(dtype).requires_grad_()
+        t, w = torch.randint(0, v, (n,)), torch.rand(n)
+        got = linear_cross_entropy(hidden, weight, t, w, bias=bias, chunk=16)
+        grads = torch.autograd.grad(got * 3.0, (hidden, weight, bias))
+        want = (F.cross_entropy(F.linear(hidden, weight, bias).float(), t, reduction="none") * w).sum()
+        wants = torch.autograd.grad(want * 3.0, (hidden, weight, bias))
+        assert float(got) == pytest.approx(float(want), rel=1e-5)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        for g, ref in zip(grads, wants):
+            assert g.dtype == ref.dtype and torch.allclose(g.float(), ref.float(), rtol=tol, atol=tol)
+
+
+def test_kernel_defaults_resolve_by_device_and_setting():
+    base = ["data.train=/nowhere"]
+    cfg = load_config("tiny", base)
+    assert (compiles(cfg.model, cuda=False), compiles(cfg.model, cuda=True)) == (False, True)
+    assert cfg.chunked_loss and not load_config("tiny", base + ["deepspeed.zero_stage=3"]).chunked_loss
+    lora = load_config("tiny", base + ["model.lora.r=4"])
+    assert not compiles(lora.model, cuda=True) and not lora.chunked_loss
+    assert not load_config("tiny", base + ["model.loss=full"]).chunked_loss
