@@ -8,6 +8,8 @@
     {"memory_apply_fails": r}           rank r cannot apply its host-memory snapshot (checked before the restore)
     {"snapshot_ab_window": W}           no fault: memory snapshots skipped in every other window of W steps
                                         (steps W+1..2W, 3W+1..4W, ...), the benchmark's A/B in one run
+    {"count_host_reads": path}          no fault: rank 0 appends each step's host reads of tensor values by
+                                        raytrain's code to path (worker/host_reads.py)
 Signals: any signal name (SIGTERM goes through the worker's real handler: a preemption checkpoint;
 SIGKILL dies on the spot), "STALL" with "seconds" (the rank hangs), "REMOVE_NODE" / "DRAIN_NODE" (carried
 out on this worker's node by scripts/chaos.py). A marker file per event makes each fire once, so the
@@ -56,6 +58,7 @@ class Faults:
         self.ab_window = int(inject.get("snapshot_ab_window") or 0)
         self.apply_fails = inject.get("memory_apply_fails") == rank
         self.snapshot_delay_s = float(inject.get("snapshot_delay_s") or 0.0)
+        self.host_reads_path = inject.get("count_host_reads")
 
     def memory_apply(self) -> None:
         """Raises on the rank told to fail applying its memory snapshot."""

@@ -50,7 +50,7 @@ def test_agreement_flags_are_reduced_where_the_backend_can(monkeypatch):
 
     seen = []
 
-    def all_reduce(t, op=None):
+    def all_reduce(t, op=None, async_op=False):
         seen.append(t.device)
         t[3] = 1  # another rank asked for a checkpoint (the flags ride on the loss all-reduce)
 

@@ -140,3 +140,23 @@ def test_kernel_defaults_resolve_by_device_and_setting():
     lora = load_config("tiny", base + ["model.lora.r=4"])
     assert not compiles(lora.model, cuda=True) and not lora.chunked_loss
     assert not load_config("tiny", base + ["model.loss=full"]).chunked_loss
+
+
+@pytest.mark.slow
+def test_no_host_synchronisation_on_steady_steps(ray_cluster, tiny_data, tmp_path):
+    """Counted by the host-reads probe on 2 workers: raytrain's own code reads no tensor value made in the step on
+    steps that neither log nor checkpoint; log and checkpoint steps read theirs (the probe sees reads)."""
+    from raytrain.trainer import train
+    from tests.helpers import tiny_cfg
+
+    probe = tmp_path / "reads.jsonl"
+    cfg = tiny_cfg(tiny_data, tmp_path, "syncs", "run.log_every=4", "run.max_steps=16", "checkpoint.every_n_steps=8",
+                   "checkpoint.memory_every_n_steps=auto", "health.grace_steps=0")
+    train(cfg, log=lambda *_: None, inject={"count_host_reads": str(probe)})
+    steps = [json.loads(line) for line in probe.read_text().splitlines()]
+    assert [s["step"] for s in steps] == list(range(1, 17))
+    quiet = {s["step"]: s["reads"] for s in steps if s["acts"] is False}
+    acting = {s["step"]: s["reads"] for s in steps if s["acts"]}
+    assert sorted(acting) == [4, 8, 12, 16] and sorted(quiet) == [1, 2, 3, 5, 6, 7, 9, 10, 11, 13, 14, 15]
+    assert all(reads == [] for reads in quiet.values()), quiet
+    assert all(any("verdict.py" in r for r in reads) for reads in acting.values()), acting

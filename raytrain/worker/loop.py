@@ -42,6 +42,7 @@ from raytrain.worker import host_heap
 from raytrain.worker.loss import StepLoss
 from raytrain.worker.interval import cadence_for, run_history
 from raytrain.worker.engine import make_engine
+from raytrain.worker.host_reads import StepProbe
 from raytrain.worker.preemption import PreemptionNotice
 from raytrain.worker.records import RecordWriter
 from raytrain.worker.runlog import Attempt, RunLog, progress_every
@@ -138,6 +139,7 @@ class WorkerRun:
         self.comm = watch_for_run(cfg, rank=rank, world=world, cuda=self.cuda,  # names the collective a rank waits in
                                   count=lambda rule: self.tel.metrics.count("raytrain_health_violations_total", rule=rule))
         self.device = device
+        self.probe = StepProbe(self.faults.host_reads_path, rank)
 
     def run(self) -> None:
         """Take this rank's rows of the next global batch, step, judge the loss, log / evaluate / checkpoint."""
@@ -145,17 +147,15 @@ class WorkerRun:
         cfg, gb = self.cfg, self.cfg.global_batch
         while self.state.step < cfg.run.max_steps:
             nxt = self.state.step + 1
+            self.probe.begin(nxt)  # fault injection's count of host reads (worker/host_reads.py); off by default
             self.tel.timer.step(sample=nxt % cfg.run.log_every == 0 or nxt == cfg.run.max_steps)
             with self.window.waiting():
                 # This rank's lanes of the global batch at the run's data position: [acc * micro_batch, seq_len + 1]
                 rows = self.data.take(self.state.samples_seen)
             self.attempt.got_batch()
             verdict, aux = self.step(rows)
-            bad = self.tel.health.check_step(self.state.step, verdict.loss)
-            if bad is not None and bad.action != "warn":
-                self.notice.defer(verdict.preempted)  # acted on once the rolled-back steps are redone
-                self.roll_back(bad)
-                continue
+            if self._judge(verdict):
+                continue  # rolled back
             if self.attempt.stepped():
                 host_heap.steady(zero_stage=cfg.deepspeed.zero_stage, dp_size=self.dp_size)
                 self._open_records()
@@ -163,6 +163,7 @@ class WorkerRun:
             self.state.tokens_seen += gb * cfg.model.seq_len
             self.window.steps += 1
             self.after_step(verdict, aux)
+            self.probe.end(acts=any(self._due(self.state.step)))
         self.finish()
 
     def start(self) -> None:
@@ -184,7 +185,8 @@ class WorkerRun:
 
     def step(self, rows: np.ndarray) -> tuple[StepVerdict, torch.Tensor]:
         """Forward/backward and the optimizer step on this rank's rows; then the step's one all-reduce, whose
-        verdict every rank acts on alike. Returns (verdict, this rank's MoE aux loss)."""
+        verdict every rank acts on alike: read now on a step that acts on it, else at the next step (no host
+        synchronisation: worker/verdict.py). Returns (verdict, this rank's MoE aux loss)."""
         acc = self.cfg.accumulation
         self.comm.step = self.state.step + 1
         with oom_guard(self.cfg, self.world, self.cuda), \
@@ -194,21 +196,44 @@ class WorkerRun:
         self.attempt.reached(self.state.step)
         self.faults.after_step(self.state.step, say)
         with self.comm("the per-step all-reduce (loss, preemption notice, checkpoint agreement)"):
-            verdict = self.agreement.agree(loss_sum / acc, self.state.step)
+            verdict = self.agreement.agree(loss_sum / acc, self.state.step, now=any(self._due(self.state.step)))
         if self.memory.interval.decided_at == self.state.step and self.rank == 0:
             say(f"memory snapshots {self.memory.interval.describe()}")
         return verdict, aux_sum / acc
 
+    def _due(self, step: int) -> tuple[bool, bool, bool]:
+        """(log, evaluate, checkpoint by the step count) at this step: the steps that read their verdict now."""
+        cfg = self.cfg
+        last = step == cfg.run.max_steps
+        do_log = step % cfg.run.log_every == 0 or last
+        do_eval = self.evaluate is not None and ((cfg.run.eval_every and step % cfg.run.eval_every == 0) or last)
+        counted = (last and cfg.checkpoint.save_final) or (not self.cadence.agreed and self.cadence.due(step))
+        return do_log, bool(do_eval), counted
+
+    def _judge(self, verdict: StepVerdict) -> bool:
+        """The health rules on the losses read at this step, oldest first; True if the run rolled back."""
+        for step, loss in verdict.losses:
+            bad = self.tel.health.check_step(step, loss)
+            if bad is not None and bad.action != "warn":
+                self.agreement.drop()  # this step is discarded with the rest
+                self.notice.defer(verdict.preempted)  # acted on once the rolled-back steps are redone
+                # the bad step's batch: this step's (not counted yet) or the one before it (a loss read late, when
+                # this step's batch, read too, is skipped with it)
+                gb = self.cfg.global_batch
+                self.roll_back(bad, step=step, start=self.state.samples_seen - (self.state.step - step) * gb,
+                               taken=self.state.samples_seen + gb)
+                return True
+        return False
+
     def after_step(self, verdict: StepVerdict, aux: torch.Tensor) -> None:
         """Log, evaluate, checkpoint when due (every rank decides alike: the collectives inside never hang)."""
         cfg, step = self.cfg, self.state.step
-        last = step == cfg.run.max_steps
         self._log_downstream(self.downstream.poll(self.writer.committed))
         if verdict.preempted:
             self.state.preemptions += 1  # survived once its checkpoint commits; the checkpoint carries the count
-        do_log = step % cfg.run.log_every == 0 or last
-        do_eval = self.evaluate is not None and ((cfg.run.eval_every and step % cfg.run.eval_every == 0) or last)
-        do_ckpt = verdict.checkpoint_now or (last and cfg.checkpoint.save_final) or verdict.preempted is not None
+            self.agreement.drop()  # the run leaves at this step's checkpoint
+        do_log, do_eval, counted = self._due(step)
+        do_ckpt = verdict.checkpoint_now or counted or verdict.preempted is not None
         rec: dict = {"step": step}
         if do_log or do_eval or do_ckpt:
             if do_log:
@@ -249,12 +274,14 @@ class WorkerRun:
 
         self.comm.retract()  # an earlier attempt's diagnosis must not explain this one's end
 
-    def roll_back(self, bad) -> None:
-        """A bad loss: back to the newest checkpoint, past the bad batch (collective)."""
+    def roll_back(self, bad, *, step: int, start: int, taken: int) -> None:
+        """A bad loss at `step`, whose batch began at sample `start`: back to the newest checkpoint, past the bad
+        batch and every batch read (to sample `taken`) (collective)."""
         self.writer.wait()  # the newest checkpoint must be committed before it can be rolled back to
         self.memory.invalidate(everywhere=True)  # the snapshots since that checkpoint belong to the bad timeline
-        self.state = roll_back(bad, tel=self.tel, engine=self.engine, state=self.state,
-                               run_uri=self.cfg.run_uri, global_batch=self.cfg.global_batch)
+        self.state = roll_back(bad, tel=self.tel, engine=self.engine, state=self.state, bad_step=step,
+                               bad_start=start, taken=taken, run_uri=self.cfg.run_uri,
+                               global_batch=self.cfg.global_batch)
         # The steps since the checkpoint are trained again, from the new position on: the reader reads further.
         self.data.run_until(self.state.samples_seen, self.cfg.run.max_steps - self.state.step)
         self.log.rewind(self.state.step)

@@ -10,19 +10,20 @@ from raytrain.console import say
 from raytrain.worker.telemetry import stop
 
 
-def roll_back(violation, *, tel, engine, state: TrainState, run_uri: str, global_batch: int) -> TrainState:
+def roll_back(violation, *, tel, engine, state: TrainState, bad_step: int, bad_start: int, taken: int, run_uri: str,
+              global_batch: int) -> TrainState:
     """The action for a NaN/inf or spiking loss (collective: every rank calls it at the same step).
 
     Restores the engine (weights, optimizer, schedule) and RNG from the newest complete checkpoint and
-    keeps the data position *after* the offending batch (plus health.skip_batches - 1 more): the steps
+    keeps the data position *after* the offending batch (step `bad_step`, from sample `bad_start`; plus
+    health.skip_batches - 1 more batches; at least past `taken`, the end of the newest batch read, which a loss
+    judged a step late puts one batch further): the steps
     since the checkpoint are trained again, on the data that follows the bad window, so the window from
     the checkpoint's position to past the bad batch is never trained on. Returns the new
     TrainState. Stops the run with a report when rollbacks exceed health.max_rollbacks or there is no
     checkpoint to go back to.
     """
     v, h = violation, tel.cfg.health
-    # Called right after the bad step, before its batch is counted: the stream is already past it.
-    bad_start, bad_step = state.samples_seen, state.step
     if v.action == "stop" or tel.rollbacks >= h.max_rollbacks:
         why = ("health.on_bad_loss=stop" if v.action == "stop" else
                f"{tel.rollbacks} rollbacks already (health.max_rollbacks={h.max_rollbacks})")
@@ -36,7 +37,7 @@ def roll_back(violation, *, tel, engine, state: TrainState, run_uri: str, global
     # Counters other than the position keep counting (restarts, preemptions, ...): only the training progress goes
     # back to the checkpoint; the data position moves on past the bad batch and health.skip_batches - 1 more.
     new = dataclasses.replace(state, step=restored.step, tokens_seen=restored.tokens_seen,
-                              samples_seen=bad_start + h.skip_batches * global_batch)
+                              samples_seen=max(bad_start + h.skip_batches * global_batch, taken))
     tel.rollbacks += 1
     # Skipped: everything from the checkpoint's position on, up to and past the bad batch (as PaLM did
     # for loss spikes): the updates made from that window are gone with the rollback.

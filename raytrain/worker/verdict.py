@@ -4,6 +4,13 @@ Every rank judges the same loss and takes the same action at the same step: a ch
 are collective, so a rank that decided alone would hang the others. Each rank's flags (SIGTERM seen here,
 drain notice seen here, rank 0's vote for an automatic checkpoint) ride on the loss all-reduce, so the
 agreement costs no extra collective and no Ray call.
+
+No host synchronisation on a steady step: unless the step must act on its own values now (a log, evaluation
+or checkpoint step, the last step), its all-reduce is launched and its result copied to host memory behind
+the step's kernels, and read at the next step, by when it has long landed. The host waits for nothing, so it
+queues the next step's kernels while the accelerator still runs this one. The loss is then judged, and the
+flags acted on, one step later: a rollback comes a step later (and discards that step too), a preemption's
+checkpoint is the next step's.
 """
 
 from __future__ import annotations
@@ -14,42 +21,99 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from raytrain.worker.host_reads import landed
+
 
 @dataclass(frozen=True)
 class StepVerdict:
-    loss: float  # the step's loss, averaged over ranks
+    losses: tuple[tuple[int, float], ...]  # (step, loss averaged over ranks) read at this step, oldest first
     preempted: Optional[str]  # why the run must checkpoint now for a preemption (None: no notice)
     checkpoint_now: bool  # the checkpoint cadence says this step saves
 
+    @property
+    def loss(self) -> Optional[float]:
+        """The newest loss read at this step (this step's when it was read now)."""
+        return self.losses[-1][1] if self.losses else None
+
+
+class _Reduction:
+    """One step's all-reduce in flight and its copy to host memory."""
+
+    def __init__(self, v: torch.Tensor, step: int, world: int, deciding: bool):
+        self.step, self.world, self.deciding, self.event = step, world, deciding, None
+        self.work = dist.all_reduce(v, async_op=True) if world > 1 else None
+        self.v = v
+        if v.device.type == "cuda":
+            if self.work is not None:
+                self.work.wait()  # the copy below is ordered after the all-reduce (no host wait)
+            self.host = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
+            self.host.copy_(v, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def read(self, late: bool) -> list[float]:
+        """The reduced values; late: read at a later step (landed by then: no host synchronisation)."""
+        if self.event is not None:
+            self.event.synchronize()  # this step's copy only, not the kernels queued since
+            out = self.host
+        else:
+            if self.work is not None:
+                self.work.wait()
+            out = self.v
+        out = out / self.world if self.world > 1 else out
+        return (landed(out) if late else out).tolist()
+
 
 class StepAgreement:
-    """Takes the step's vote: `agree(loss, step)` -> StepVerdict, the same on every rank."""
+    """Takes the step's vote: `agree(loss, step, now=...)` -> StepVerdict, the same on every rank."""
 
     def __init__(self, *, notice, cadence, rank: int, world: int, device: torch.device | str = "cpu",
                  snapshots=None):
         self.notice, self.cadence, self.rank, self.world = notice, cadence, rank, world
         self.snapshots = snapshots  # the memory snapshot interval (ckpt/snapshot_interval.py): agreed once, here
         self.device = torch.device(device)  # where the flags are reduced: NCCL reduces device tensors only
+        self.pending: Optional[_Reduction] = None
 
-    def agree(self, loss: torch.Tensor, step: int) -> StepVerdict:
+    def agree(self, loss: torch.Tensor, step: int, now: bool = True) -> StepVerdict:
         """Collective. [loss, SIGTERM, drain, rank 0 wants a checkpoint, snapshot interval proposal], summed over
         ranks; the flags are sent only when a notice, an agreed cadence or the snapshot interval's agreement can
-        set them."""
+        set them. now=False: this step's result is read at the next call (module docstring)."""
+        losses, want_now = [], False
+
+        def take(r: _Reduction) -> None:
+            nonlocal want_now
+            out = r.read(late=r.step != step)
+            losses.append((r.step, out[0]))
+            if len(out) > 1:
+                self.notice.heard(out[1] > 0, out[2] > 0)
+                want_now = want_now or out[3] > 0
+            if r.deciding:
+                self.snapshots.agreed(r.step, out[4])  # the mean of every rank's proposal
+
+        if self.pending is not None:  # the previous step's, landed while this step ran
+            take(self.pending)
+            self.pending = None
         deciding = self.snapshots is not None and self.snapshots.deciding(step)
-        carry = self.notice.enabled or self.cadence.agreed or deciding
         v = loss.detach().float().reshape(1).to(self.device)
-        if carry:
+        if self._carry(deciding):
             sig, drain = self.notice.flags(step)
-            want = self.cadence.agreed and self.rank == 0 and self.cadence.due(step)
+            # (a vote read just now checkpoints this step: no second vote for the same checkpoint)
+            want = self.cadence.agreed and self.rank == 0 and self.cadence.due(step) and not want_now
             proposal = self.snapshots.proposal() if deciding else 0.0
             v = torch.cat([v, torch.tensor([float(sig), float(drain), float(want), proposal], device=v.device)])
-        if self.world > 1:
-            dist.all_reduce(v)
-            v = v / self.world
-        out = v.tolist()
-        if carry:
-            self.notice.heard(out[1] > 0, out[2] > 0)
-        if deciding:
-            self.snapshots.agreed(step, out[4])  # the mean of every rank's proposal
-        due = out[3] > 0 if self.cadence.agreed else self.cadence.due(step)
-        return StepVerdict(loss=out[0], preempted=self.notice.take(), checkpoint_now=due)
+        reduction = _Reduction(v, step, self.world, deciding)
+        if now:
+            take(reduction)
+        else:
+            self.pending = reduction
+        due = want_now if self.cadence.agreed else self.cadence.due(step)
+        return StepVerdict(losses=tuple(losses), preempted=self.notice.take(), checkpoint_now=due)
+
+    def drop(self) -> None:
+        """Forget a step in flight (a rollback discards its step); its all-reduce completes first."""
+        if self.pending is not None:
+            self.pending.read(late=True)
+            self.pending = None
+
+    def _carry(self, deciding: bool) -> bool:
+        return self.notice.enabled or self.cadence.agreed or deciding
