@@ -138,9 +138,17 @@ class DataConfig(Section):
 class BatchConfig(Section):
     """Global batch = micro_batch_size x gradient_accumulation_steps x num_workers (sequences)."""
 
-    micro_batch_size: int = Field(8, ge=1, description="sequences per worker per forward/backward")
+    micro_batch_size: Union[Annotated[int, Field(ge=1)], Literal["auto"]] = Field(8, description="sequences per worker per forward/backward. auto: the largest that divides the global batch's share per worker and whose estimated memory fits the worker (memory_cap_mb, else 90 % of the GPU's memory, on CPU the host's memory over the workers); needs global_batch_size, from which accumulation follows")
     gradient_accumulation_steps: Optional[int] = Field(1, ge=1, description="micro-batches per optimizer step; null: derived from global_batch_size")
     global_batch_size: Optional[int] = Field(None, ge=1, description="sequences per optimizer step; if set, checked against (or used to derive) accumulation")
+    memory_cap_mb: Optional[float] = Field(None, gt=0, description="micro_batch_size=auto: the memory (MiB) a worker's model states and activations may take, by raytrain's estimate (sweep/memory_estimate.py); null: 90 % of the GPU's memory (CPU workers: the host's memory over the workers)")
+
+    @field_validator("micro_batch_size", mode="before")
+    @classmethod
+    def _size_or_auto(cls, v: Any) -> Any:
+        if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+            return v
+        raise ValueError("must be a whole number of sequences >= 1 or 'auto'")
 
 
 class OptimConfig(Section):
@@ -474,6 +482,14 @@ class Config(Section):
     @model_validator(mode="after")
     def _batch_consistent(self) -> "Config":
         b, w = self.batch, self.data_parallel_size
+        if b.micro_batch_size == "auto":
+            if b.global_batch_size is None:
+                raise ValueError("batch.micro_batch_size=auto needs batch.global_batch_size (the micro-batch and "
+                                 "accumulation are chosen to make it up)")
+            if b.global_batch_size % w:
+                raise ValueError(f"batch.global_batch_size={b.global_batch_size} is not a multiple of the "
+                                 f"data-parallel size {w}")
+            return self
         if b.gradient_accumulation_steps is None:
             if b.global_batch_size is None:
                 raise ValueError("set batch.gradient_accumulation_steps or batch.global_batch_size")
@@ -494,6 +510,8 @@ class Config(Section):
     @property
     def accumulation(self) -> int:
         b = self.batch
+        if b.micro_batch_size == "auto":
+            raise RuntimeError("batch.micro_batch_size=auto is resolved when training starts (raytrain/micro_batch.py)")
         if b.gradient_accumulation_steps is not None:
             return b.gradient_accumulation_steps
         return b.global_batch_size // (b.micro_batch_size * self.data_parallel_size)
@@ -505,6 +523,8 @@ class Config(Section):
 
     @property
     def global_batch(self) -> int:
+        if self.batch.micro_batch_size == "auto":
+            return self.batch.global_batch_size
         return self.batch.micro_batch_size * self.accumulation * self.data_parallel_size
 
     @property

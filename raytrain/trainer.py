@@ -10,7 +10,7 @@ import contextlib
 import os
 from typing import Callable, Optional
 
-from raytrain import faults, storage
+from raytrain import faults, micro_batch, storage
 from raytrain.config import Config
 from raytrain.data import sources
 from raytrain.data.manifest import Split, load_split
@@ -51,7 +51,7 @@ def check_inputs(cfg: Config) -> tuple[Split, Optional[Split]]:
     mb = cfg.batch.micro_batch_size
     if sources.is_mixture(cfg.data):
         return train, val
-    if mb > train.num_samples:
+    if mb != "auto" and mb > train.num_samples:
         raise UserError(f"batch.micro_batch_size={mb} is larger than data.train ({train.num_samples} sequences); "
                         f"use batch.micro_batch_size<={train.num_samples}")
     if cfg.global_batch > train.num_samples:
@@ -216,6 +216,11 @@ def train(cfg: Config, log: Callable[[str], None] = print, inject: Optional[dict
     check_integrations(cfg)
     cfg = apply_init_from(cfg, train_split.tokenizer_uri, log)  # fine-tuning: shape from the model dir
     storage.check_writable(cfg.run_uri)
+    local = init_ray(cfg)
+    check_cluster(cfg, local)
+    if cfg.batch.micro_batch_size == "auto":  # the largest that fits a worker (raytrain/micro_batch.py)
+        cfg = micro_batch.resolve(cfg, vocab=cfg.model.vocab_size or train_split.vocab_size,
+                                  memory_mb=micro_batch.worker_memory_mb(cfg), log=log)
     cfg = check_resume_compatible(cfg)
     log(f"[raytrain] run {cfg.run.name} -> {cfg.run_uri} | global batch {cfg.global_batch} sequences = "
         f"{cfg.batch.micro_batch_size} micro x {cfg.accumulation} accumulation x {cfg.scaling.num_workers} workers")
@@ -227,8 +232,6 @@ def train(cfg: Config, log: Callable[[str], None] = print, inject: Optional[dict
         + f" | {cfg.run.max_steps} steps, {optimizer_named(cfg)} warmup {o.warmup_steps} {o.decay}, "
           f"clip {o.grad_clip:g}")
     storage.write_text(RunDir(cfg.run_uri).uri(CONFIG), cfg.to_yaml())
-    local = init_ray(cfg)
-    check_cluster(cfg, local)
     s = cfg.scaling
     resources = {"CPU": s.cpus_per_worker, **s.resources_per_worker}
     if s.use_gpu:

@@ -160,3 +160,63 @@ def test_no_host_synchronisation_on_steady_steps(ray_cluster, tiny_data, tmp_pat
     assert sorted(acting) == [4, 8, 12, 16] and sorted(quiet) == [1, 2, 3, 5, 6, 7, 9, 10, 11, 13, 14, 15]
     assert all(reads == [] for reads in quiet.values()), quiet
     assert all(any("verdict.py" in r for r in reads) for reads in acting.values()), acting
+
+
+def _auto_cfg(*extra: str):
+    from tests.helpers import tiny_cfg
+
+    return tiny_cfg("/nowhere", "/tmp", "auto", "batch.micro_batch_size=auto", "batch.global_batch_size=16", *extra)
+
+
+def test_auto_micro_batch_is_the_largest_that_fits_the_cap_and_keeps_the_global_batch():
+    from raytrain.errors import UserError
+    from raytrain.micro_batch import resolve
+    from raytrain.sweep.memory_estimate import estimate_mb
+
+    cfg = _auto_cfg()
+    assert cfg.global_batch == 16 and cfg.scaling.num_workers == 2  # 8 sequences per worker per step
+
+    def need(mb: int) -> float:
+        return estimate_mb(_auto_cfg(f"batch.micro_batch_size={mb}", "batch.global_batch_size=null",
+                                     "batch.gradient_accumulation_steps=1"), 300)["total_mb"]
+
+    assert need(1) < need(2) < need(4) < need(8)
+    for cap, mb in ((need(8) + 1, 8), ((need(4) + need(8)) / 2, 4), (need(2), 2), (need(1), 1)):
+        out = resolve(cfg, vocab=300, memory_mb=cap, log=lambda *_: None)
+        assert (out.batch.micro_batch_size, out.accumulation, out.global_batch) == (mb, 8 // mb, 16)
+    with pytest.raises(UserError, match="even a micro-batch of 1 needs about .* raise batch.memory_cap_mb"):
+        resolve(cfg, vocab=300, memory_mb=need(1) * 0.99)
+
+
+def test_auto_micro_batch_needs_a_global_batch():
+    from raytrain.config import load_config
+    from raytrain.errors import UserError
+
+    with pytest.raises(UserError, match="batch.micro_batch_size=auto needs batch.global_batch_size"):
+        load_config("tiny", ["data.train=/nowhere", "batch.micro_batch_size=auto"])
+    with pytest.raises(UserError, match="must be a whole number of sequences >= 1 or 'auto'"):
+        load_config("tiny", ["data.train=/nowhere", "batch.micro_batch_size=big"])
+
+
+@pytest.mark.slow
+def test_a_run_with_auto_micro_batch_trains_with_the_chosen_size(ray_cluster, tiny_data, tmp_path):
+    """On CPU with a memory cap that fits 2 sequences but not 4: the run trains micro-batches of 2, accumulation 4,
+    global batch 16, and its config.yaml and checkpoint say so."""
+    from raytrain.config import load_config
+    from raytrain.sweep.memory_estimate import estimate_mb
+    from raytrain.trainer import train
+    from tests.helpers import tiny_cfg
+
+    fixed = tiny_cfg(tiny_data, tmp_path, "mb", "batch.micro_batch_size=3", "batch.gradient_accumulation_steps=1")
+    vocab = json.loads((tiny_data / "train" / "manifest.json").read_text())["vocab_size"]
+    sizes = [estimate_mb(fixed.model_copy(update={"batch": fixed.batch.model_copy(update={"micro_batch_size": m})}),
+                         vocab)["total_mb"] for m in (2, 4)]
+    cfg = tiny_cfg(tiny_data, tmp_path, "mbauto", "batch.micro_batch_size=auto", "batch.global_batch_size=16",
+                   f"batch.memory_cap_mb={sum(sizes) / 2}", "run.max_steps=3", "checkpoint.every_n_steps=3")
+    lines = []
+    train(cfg, log=lines.append)
+    assert any("batch.micro_batch_size=auto: 2 (" in line for line in lines), lines
+    saved = load_config(str(tmp_path / "mbauto" / "config.yaml"), [])
+    assert (saved.batch.micro_batch_size, saved.accumulation, saved.global_batch) == (2, 4, 16)
+    state = json.loads((tmp_path / "mbauto" / "checkpoint_00000003" / "raytrain_state.json").read_text())
+    assert state["samples_seen"] == 3 * 16

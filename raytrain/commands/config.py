@@ -19,6 +19,7 @@ def run(args) -> int:
         return 0
     cfg = load_config(args.config, args.overrides)
     print(cfg.to_yaml(), end="")
-    print(f"# derived: gradient_accumulation_steps={cfg.accumulation} global_batch_size={cfg.global_batch} "
+    acc = "chosen at train start" if cfg.batch.micro_batch_size == "auto" else cfg.accumulation
+    print(f"# derived: gradient_accumulation_steps={acc} global_batch_size={cfg.global_batch} "
           f"run_uri={cfg.run_uri}")
     return 0

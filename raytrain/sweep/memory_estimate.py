@@ -4,7 +4,7 @@ Used by the micro-batch sweep to mark a trial infeasible before it starts (`micr
 It is an estimate, deliberately on the high side: model states as in the ZeRO paper (Rajbhandari et al.
 2020, 2+2+12 bytes per parameter in mixed precision, 4+4+8 in fp32), activations as in Korthikanti et
 al. 2022 (s*b*h*(34 + 5*a*s/h) bytes per layer at 16 bits, 2*s*b*h with activation checkpointing)
-plus the logits and their gradient.
+plus the logits and their gradient (with the chunked loss: one chunk's).
 """
 
 from __future__ import annotations
@@ -41,7 +41,12 @@ def estimate_mb(cfg: Config, vocab_size: int, n_params: Optional[int] = None) ->
     b, h, a = cfg.batch.micro_batch_size, m.hidden_size, m.n_head
     act_scale = 1.0 if half else 2.0  # the formula counts 16-bit activations
     per_layer = 2 * s * b * h if m.activation_checkpointing else s * b * h * (34 + 5 * a * s / h)
-    logits = b * s * vocab_size * (2 if half else 4) * 2 + b * s * vocab_size * 4  # logits + grad, fp32 loss
+    if cfg.chunked_loss:  # one chunk's fp32 logits and their gradient, and the output projection's fp32 gradient
+        from raytrain.worker.linear_ce import chunk_tokens
+
+        logits = chunk_tokens(b * s, h, vocab_size) * vocab_size * 4 * 2 + vocab_size * h * 4
+    else:
+        logits = b * s * vocab_size * (2 if half else 4) * 2 + b * s * vocab_size * 4  # logits + grad, fp32 loss
     activations = per_layer * m.n_layer * act_scale + logits
     states = n * per_param
     mb = 2.0 ** 20

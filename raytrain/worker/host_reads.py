@@ -10,9 +10,9 @@ Used by tests and chaos drills through fault injection ({"count_host_reads": pat
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
-import sys
 from typing import Optional
 
 import torch
@@ -50,7 +50,7 @@ class HostReads(TorchFunctionMode):
 
 
 def _raytrain_caller() -> Optional[str]:
-    frame = sys._getframe(2)
+    frame = inspect.currentframe()
     while frame is not None:
         name = os.path.abspath(frame.f_code.co_filename)
         if name != _THIS and not name.startswith(_TORCH):

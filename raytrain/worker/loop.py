@@ -138,8 +138,7 @@ class WorkerRun:
                                     trackers=Trackers(cfg, enabled=rank == 0, restarts=self.state.restarts, log=say))
         self.comm = watch_for_run(cfg, rank=rank, world=world, cuda=self.cuda,  # names the collective a rank waits in
                                   count=lambda rule: self.tel.metrics.count("raytrain_health_violations_total", rule=rule))
-        self.device = device
-        self.probe = StepProbe(self.faults.host_reads_path, rank)
+        self.device, self.probe = device, StepProbe(self.faults.host_reads_path, rank)  # the probe: off by default
 
     def run(self) -> None:
         """Take this rank's rows of the next global batch, step, judge the loss, log / evaluate / checkpoint."""
