@@ -36,10 +36,11 @@ class SnapshotInterval:
         self.after_none: list[float] = []  # ... from one that took none
         self.stalls: list[float] = []
         self._last: Optional[float] = None
+        self._told = False
 
     def begin(self, step: int) -> None:
         """The attempt trains from `step` on: measure from its next step (every rank calls it alike)."""
-        self.first_step, self.decided_at = step + 1, None
+        self.first_step, self.decided_at, self._told = step + 1, None, False
         self.after_snapshot, self.after_none, self.stalls, self._last = [], [], [], None
 
     def measuring(self, step: int) -> bool:
@@ -88,6 +89,13 @@ class SnapshotInterval:
         """The mean of every rank's proposal, from the step's all-reduce: the interval from this step on."""
         self.every = min(self.max_every, max(1, math.ceil(mean_proposal - 1e-9)))
         self.decided_at = step
+
+    def news(self) -> Optional[str]:
+        """The interval agreed on, once, when it has been (for the run's log)."""
+        if self.decided_at is None or self._told:
+            return None
+        self._told = True
+        return self.describe()
 
     def describe(self) -> str:
         if not self.auto:

@@ -196,8 +196,9 @@ class WorkerRun:
         self.faults.after_step(self.state.step, say)
         with self.comm("the per-step all-reduce (loss, preemption notice, checkpoint agreement)"):
             verdict = self.agreement.agree(loss_sum / acc, self.state.step, now=any(self._due(self.state.step)))
-        if self.memory.interval.decided_at == self.state.step and self.rank == 0:
-            say(f"memory snapshots {self.memory.interval.describe()}")
+        news = self.memory.interval.news()  # (agreed on the all-reduce, which may be read a step late)
+        if news and self.rank == 0:
+            say(f"memory snapshots {news}")
         return verdict, aux_sum / acc
 
     def _due(self, step: int) -> tuple[bool, bool, bool]:
