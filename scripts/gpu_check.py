@@ -233,6 +233,7 @@ def run_part(part: Part, budget: float, args, work: Path, rep: Report) -> dict:
         try:
             rc = proc.wait(timeout=budget)
             status = "ok" if rc == 0 else f"failed (exit {rc})"
+            _kill(proc)  # what it left in its session (the compiler's worker processes)
         except subprocess.TimeoutExpired:
             _kill(proc)
             rc, status = None, f"timeout after {budget:.0f} s (killed)"
@@ -271,16 +272,23 @@ def _remove_leftovers(since: float) -> None:
 
 
 def _kill(proc: subprocess.Popen) -> None:
+    """The child's whole session (it leads its own process group): SIGTERM, then SIGKILL after 5 s."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
             return
-        try:
-            proc.wait(timeout=5)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+        if sig == signal.SIGTERM:
+            t = time.time()
+            while time.time() - t < 5:
+                try:
+                    os.killpg(proc.pid, 0)
+                except ProcessLookupError:
+                    proc.poll()
+                    return
+                proc.poll()  # reaps the leader once it exits
+                time.sleep(0.1)
+    proc.poll()
 
 
 def test_gpu(budget: float, args, rep: Report) -> dict:
