@@ -26,6 +26,7 @@ baseline) to catch mistakes here.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
@@ -233,7 +234,8 @@ def run_part(part: Part, budget: float, args, work: Path, rep: Report) -> dict:
         try:
             rc = proc.wait(timeout=budget)
             status = "ok" if rc == 0 else f"failed (exit {rc})"
-            _kill(proc)  # what it left in its session (the compiler's worker processes)
+            with contextlib.suppress(ProcessLookupError):  # what it left in its session (compile workers)
+                os.killpg(proc.pid, signal.SIGKILL)
         except subprocess.TimeoutExpired:
             _kill(proc)
             rc, status = None, f"timeout after {budget:.0f} s (killed)"
@@ -288,7 +290,10 @@ def _kill(proc: subprocess.Popen) -> None:
                     return
                 proc.poll()  # reaps the leader once it exits
                 time.sleep(0.1)
-    proc.poll()
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        pass
 
 
 def test_gpu(budget: float, args, rep: Report) -> dict:
