@@ -52,7 +52,7 @@ def test_agreement_flags_are_reduced_where_the_backend_can(monkeypatch):
 
     def all_reduce(t, op=None, async_op=False):
         seen.append(t.device)
-        t[3] = 1  # another rank asked for a checkpoint (the flags ride on the loss all-reduce)
+        t[4] = 1  # another rank asked for a checkpoint (the flags ride on the loss all-reduce)
 
     monkeypatch.setattr(dist, "all_reduce", all_reduce)
     cadence = YoungDalyCadence(mtbf_s=1e9, initial_cost_s=1.0)  # rank 0's own clock says "not yet"

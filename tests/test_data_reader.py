@@ -8,6 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from raytrain import storage
+from raytrain.data import content_checksum
 from raytrain.data.manifest import load_split
 from raytrain.data.sample_plan import SamplePlan
 from raytrain.data.shards import write_shard
@@ -179,6 +180,14 @@ def test_two_worker_run_trains_the_planned_batches_and_reports_its_reads(many_un
     recs = [json.loads(x) for x in storage.read_text(storage.join(cfg.run_uri, "metrics.jsonl")).splitlines()]
     logged = [r for r in recs if "loss" in r]
     assert logged and all(r["batch_crc32"] == plan.step(r["step"] - 1).fingerprint() for r in logged)
+    # The rows the two ranks trained on, checksummed as read and combined on the step's all-reduce, are the plan's
+    # rows of the whole global batch read here by one reader.
+    whole = PlannedReader(split, plan, (0, cfg.global_batch), 0, end_step=steps)
+    try:
+        want = {s + 1: content_checksum.of_batch(whole.take(s)[0]) for s in range(steps)}
+    finally:
+        whole.close()
+    assert all(r["content_checksum"] == want[r["step"]] for r in logged), [r["step"] for r in logged]
     # One epoch, two workers: each unit read once (a unit two ranks share, twice), plus the read-ahead.
     unit_rows, ahead = max(split.shard_rows), 4
     trained = steps * cfg.global_batch

@@ -185,6 +185,7 @@ def test_tensor_parallel_matches_one_worker_through_a_crash_and_exports(ray_clus
     assert cfg.global_batch == one.global_batch == 4
     for r in recs:
         assert r["batch_crc32"] == want[r["step"]]["batch_crc32"], r["step"]  # the same samples in each step
+        assert r["content_checksum"] == want[r["step"]]["content_checksum"], r["step"]  # the same bytes, counted once
         assert r["loss"] == pytest.approx(want[r["step"]]["loss"], abs=1e-4), r["step"]
     engine = tmp_path / "tp2" / "checkpoint_00000012" / "engine"
     # One slice of the model per tensor-parallel rank.

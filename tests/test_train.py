@@ -26,9 +26,10 @@ def _metrics(run_uri: str) -> list[dict]:
     return [json.loads(line) for line in storage.read_text(storage.join(run_uri, "metrics.jsonl")).splitlines()]
 
 
-def _crcs(run_uri: str) -> dict[int, int]:
-    """Per step, the fingerprint of the global batch trained on: equal maps = the same samples in order."""
-    return {r["step"]: r["batch_crc32"] for r in _metrics(run_uri) if "loss" in r}
+def _crcs(run_uri: str) -> dict[int, tuple[int, int]]:
+    """Per step, the fingerprint of the global batch trained on (the plan's sample ids) and the checksum of its rows
+    as read: equal maps = the same samples in order, the same bytes."""
+    return {r["step"]: (r["batch_crc32"], r["content_checksum"]) for r in _metrics(run_uri) if "loss" in r}
 
 
 def _losses(run_uri: str) -> dict[int, float]:

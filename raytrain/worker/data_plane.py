@@ -13,6 +13,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from raytrain.data import content_checksum
 from raytrain.data.manifest import Split
 from raytrain.data.mixed_reader import MixedReader
 from raytrain.data.mixture import MixturePlan
@@ -41,6 +42,7 @@ class DataPlane:
             self.lanes = self.plan.lanes_of(rank, size)
             self.reader = PlannedReader(split, self.plan, self.lanes, position // global_batch, **opts)
         self._step = None
+        self.content = 0
 
     def epoch(self, position: int) -> int:
         """Whole passes over the training data at data position `position` (a mixture: over all its sources'
@@ -65,6 +67,7 @@ class DataPlane:
             self._next += 1
         rows, self._step = self.reader.take(want)
         self._next = want + 1
+        self.content = content_checksum.share(rows, self.lanes[0])  # this rank's share of the batch's checksum
         return rows
 
     def run_until(self, position: int, steps_left: int) -> None:

@@ -131,7 +131,7 @@ class WorkerRun:
                             "attempts": earlier_attempts}
         self.notice = PreemptionNotice(rank, enabled=cfg.checkpoint.on_preemption)
         self.agreement = StepAgreement(notice=self.notice, cadence=self.cadence, rank=rank, world=world, device=device,
-                                       snapshots=self.memory.interval)
+                                       snapshots=self.memory.interval, copies=world // self.dp_size)
         self.tel = Telemetry(cfg, rank, world, self.cuda, flops_per_token(n_active, cfg.model), log=say)
         # Every metric record's one path: metrics.jsonl, trackers, TensorBoard, Prometheus, Ray Train / Tune reports.
         self.records = RecordWriter(cfg, rank=rank, log=self.log, prometheus=self.tel.metrics, report=ray.train.report,
@@ -195,7 +195,8 @@ class WorkerRun:
         self.attempt.reached(self.state.step)
         self.faults.after_step(self.state.step, say)
         with self.comm("the per-step all-reduce (loss, preemption notice, checkpoint agreement)"):
-            verdict = self.agreement.agree(loss_sum / acc, self.state.step, now=any(self._due(self.state.step)))
+            verdict = self.agreement.agree(loss_sum / acc, self.state.step, now=any(self._due(self.state.step)),
+                                           content=self.data.content)
         news = self.memory.interval.news()  # (agreed on the all-reduce, which may be read a step late)
         if news and self.rank == 0:
             say(f"memory snapshots {news}")
@@ -237,7 +238,7 @@ class WorkerRun:
         rec: dict = {"step": step}
         if do_log or do_eval or do_ckpt:
             if do_log:
-                rec.update(self._log_record(verdict.loss, aux))
+                rec.update(self._log_record(verdict, aux))
                 rec.update(self.memory.record())  # the stall of the newest snapshot before this step's
             if do_eval:
                 rec.update(self.evaluate.record(self.engine))
@@ -403,13 +404,13 @@ class WorkerRun:
             aux_sum += aux.detach().float() if aux is not None else 0.0
         return loss_sum, aux_sum
 
-    def _log_record(self, step_loss: float, aux: torch.Tensor) -> dict:
+    def _log_record(self, verdict: StepVerdict, aux: torch.Tensor) -> dict:
         """A log step's figures; starts the next window (collective: the MoE aux loss and the data counters are
         all-reduced)."""
         cfg, engine, win, world = self.cfg, self.engine, self.window, self.world
         gb, seq = cfg.global_batch, cfg.model.seq_len
         window_steps, dt, data_wait = win.steps, win.elapsed(), win.data_wait
-        rec: dict = {"loss": step_loss}
+        rec: dict = {"loss": verdict.loss}
         if cfg.model.family == "mixtral":
             rec["aux_loss"] = _mean_across_ranks(aux, world)
         tps = window_steps * gb * seq / dt
@@ -419,8 +420,9 @@ class WorkerRun:
             "tokens_per_s": tps, "samples_per_s": window_steps * gb / dt,
             "tflops_per_worker": self.tel.fpt * tps / world / 1e12, "data_wait_frac": data_wait / dt,
             "tokens_seen": self.state.tokens_seen, "epoch": self.data.epoch(self.state.samples_seen),
-            # Which samples this step trained on, from the plan (resumed runs are checked against it).
-            "batch_crc32": self.data.fingerprint(),
+            # Which samples this step trained on, from the plan (resumed runs are checked against it), and the
+            # checksum of the rows it trained on, as read (data/content_checksum.py).
+            "batch_crc32": self.data.fingerprint(), "content_checksum": verdict.content,
             **self.data.stats(world, win.since_start(), self.state.samples_seen),
         })
         if self.dtype == "fp16":

@@ -23,6 +23,7 @@ import time
 from typing import Callable, Optional
 
 from raytrain.rundir import TENSORBOARD, RunDir
+from raytrain.worker.trackers import NOT_METRICS
 
 # kind -> the sinks that take it ("history": metrics.jsonl, trackers, TensorBoard)
 SINKS = {
@@ -60,7 +61,7 @@ class TensorBoard:
         from tensorboardX.proto.summary_pb2 import Summary
 
         values = [Summary.Value(tag=re.sub(r"[^-/\w.]", "_", k), simple_value=float(v)) for k, v in rec.items()
-                  if k not in ("step", "time") and isinstance(v, (int, float)) and not isinstance(v, bool)
+                  if k not in NOT_METRICS and isinstance(v, (int, float)) and not isinstance(v, bool)
                   and math.isfinite(v)]
         if values:
             self.writer.write_event(Event(wall_time=rec.get("time", time.time()), step=rec["step"],

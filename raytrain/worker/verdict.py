@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from raytrain.data import content_checksum
 from raytrain.worker.host_reads import landed
 
 
@@ -29,6 +30,7 @@ class StepVerdict:
     losses: tuple[tuple[int, float], ...]  # (step, loss averaged over ranks) read at this step, oldest first
     preempted: Optional[str]  # why the run must checkpoint now for a preemption (None: no notice)
     checkpoint_now: bool  # the checkpoint cadence says this step saves
+    content: Optional[int] = None  # the newest step's content checksum read (data/content_checksum.py)
 
     @property
     def loss(self) -> Optional[float]:
@@ -52,7 +54,7 @@ class _Reduction:
             self.event.record()
 
     def read(self, late: bool) -> list[float]:
-        """The reduced values; late: read at a later step (landed by then: no host synchronisation)."""
+        """The values summed over ranks; late: read at a later step (landed by then: no host synchronisation)."""
         if self.event is not None:
             self.event.synchronize()  # this step's copy only, not the kernels queued since
             out = self.host
@@ -60,7 +62,6 @@ class _Reduction:
             if self.work is not None:
                 self.work.wait()
             out = self.v
-        out = out / self.world if self.world > 1 else out
         return (landed(out) if late else out).tolist()
 
 
@@ -68,46 +69,51 @@ class StepAgreement:
     """Takes the step's vote: `agree(loss, step, now=...)` -> StepVerdict, the same on every rank."""
 
     def __init__(self, *, notice, cadence, rank: int, world: int, device: torch.device | str = "cpu",
-                 snapshots=None):
+                 snapshots=None, copies: int = 1):
         self.notice, self.cadence, self.rank, self.world = notice, cadence, rank, world
+        self.copies = copies  # ranks holding the same rows (a tensor-parallel group): for the content checksum
         self.snapshots = snapshots  # the memory snapshot interval (ckpt/snapshot_interval.py): agreed once, here
         self.device = torch.device(device)  # where the flags are reduced: NCCL reduces device tensors only
         self.pending: Optional[_Reduction] = None
 
-    def agree(self, loss: torch.Tensor, step: int, now: bool = True) -> StepVerdict:
-        """Collective. [loss, SIGTERM, drain, rank 0 wants a checkpoint, snapshot interval proposal], summed over
-        ranks; the flags are sent only when a notice, an agreed cadence or the snapshot interval's agreement can
-        set them. now=False: this step's result is read at the next call (module docstring)."""
-        losses, want_now = [], False
+    def agree(self, loss: torch.Tensor, step: int, now: bool = True, content: int = 0) -> StepVerdict:
+        """Collective. [loss, content checksum share, SIGTERM, drain, rank 0 wants a checkpoint, snapshot interval
+        proposal], summed over ranks in float64 (the checksum shares, below 2**32, add up exactly); the flags are
+        sent only when a notice, an agreed cadence or the snapshot interval's agreement can set them. now=False:
+        this step's result is read at the next call (module docstring)."""
+        losses, want_now, checksum = [], False, None
 
         def take(r: _Reduction) -> None:
-            nonlocal want_now
+            nonlocal want_now, checksum
             out = r.read(late=r.step != step)
-            losses.append((r.step, out[0]))
-            if len(out) > 1:
-                self.notice.heard(out[1] > 0, out[2] > 0)
-                want_now = want_now or out[3] > 0
+            losses.append((r.step, out[0] / self.world))
+            checksum = content_checksum.combine(round(out[1]), self.copies)
+            if len(out) > 2:
+                self.notice.heard(out[2] > 0, out[3] > 0)
+                want_now = want_now or out[4] > 0
             if r.deciding:
-                self.snapshots.agreed(r.step, out[4])  # the mean of every rank's proposal
+                self.snapshots.agreed(r.step, out[5] / self.world)  # the mean of every rank's proposal
 
         if self.pending is not None:  # the previous step's, landed while this step ran
             take(self.pending)
             self.pending = None
         deciding = self.snapshots is not None and self.snapshots.deciding(step)
-        v = loss.detach().float().reshape(1).to(self.device)
+        v = torch.stack([loss.detach().to(self.device, torch.float64).reshape(()),
+                         torch.tensor(float(content), dtype=torch.float64, device=self.device)])
         if self._carry(deciding):
             sig, drain = self.notice.flags(step)
             # (a vote read just now checkpoints this step: no second vote for the same checkpoint)
             want = self.cadence.agreed and self.rank == 0 and self.cadence.due(step) and not want_now
             proposal = self.snapshots.proposal() if deciding else 0.0
-            v = torch.cat([v, torch.tensor([float(sig), float(drain), float(want), proposal], device=v.device)])
+            v = torch.cat([v, torch.tensor([float(sig), float(drain), float(want), proposal], dtype=v.dtype,
+                                           device=v.device)])
         reduction = _Reduction(v, step, self.world, deciding)
         if now:
             take(reduction)
         else:
             self.pending = reduction
         due = want_now if self.cadence.agreed else self.cadence.due(step)
-        return StepVerdict(losses=tuple(losses), preempted=self.notice.take(), checkpoint_now=due)
+        return StepVerdict(losses=tuple(losses), preempted=self.notice.take(), checkpoint_now=due, content=checksum)
 
     def drop(self) -> None:
         """Forget a step in flight (a rollback discards its step); its all-reduce completes first."""

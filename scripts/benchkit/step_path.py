@@ -71,7 +71,9 @@ def run(cfg, rows: np.ndarray, *, vocab: int, cuda: bool, steps: int, warmup: in
         loss_fn.begin(take)
         total = torch.zeros((), device=device)
         for a in range(acc):
-            x = torch.from_numpy(np.ascontiguousarray(take[a * mb:(a + 1) * mb])).to(device)
+            x = torch.from_numpy(np.ascontiguousarray(take[a * mb:(a + 1) * mb], dtype=np.int32))
+            # as the worker does it: pinned memory, a non-blocking copy of the int32 ids, widened on the device
+            x = (x.pin_memory().to(device, non_blocking=True) if cuda else x).long()
             loss = loss_fn(engine, x)
             engine.backward(loss)
             engine.step()
