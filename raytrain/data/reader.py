@@ -131,8 +131,9 @@ class PlannedReader:
     def __init__(self, split: Split, plan: SamplePlan, lanes: tuple[int, int], start_step: int = 0,
                  ahead: Optional[int] = None, threads: int = 4, stall_timeout_s: float = 600.0,
                  on_bad_shard: str = "error", counter: Optional[storage.ReadCounter] = None,
-                 end_step: Optional[int] = None):
+                 end_step: Optional[int] = None, feed=None):
         self.split, self.plan, self.lanes = split, plan, lanes
+        self.feed = feed  # data.reader=ray: units come from the ingest pipeline by key (raytrain/data/ingest.py)
         self.step_next = start_step
         # Nothing at or past end_step is read (the run's last step: no read-ahead wasted); extend_to moves it.
         self.end_step = end_step if end_step is not None else 2 ** 62
@@ -194,9 +195,39 @@ class PlannedReader:
                         return
                     self._first[key] = epoch * L + first
                     heapq.heappush(self._release, (epoch * L + last, key))
-                    self._cache[key] = self._pool.submit(self._load, epoch, unit)
+                    self._cache[key] = self._fetch(epoch, unit)
                     self._cv.notify_all()
             epoch, t0 = epoch + 1, 0
+
+    def _fetch(self, epoch: int, u: int) -> Future:
+        """The unit's rows, read here (a pool thread) or delivered by the ingest pipeline."""
+        if self.feed is None:
+            return self._pool.submit(self._load, epoch, u)
+        out: Future = Future()
+        self.units_opened.append((epoch, u))
+
+        def arrived(fut: Future) -> None:
+            try:
+                rows, bad = fut.result()
+            except BaseException as e:  # noqa: BLE001 - the pipeline's failure, raised where the unit is needed
+                out.set_exception(e)
+                return
+            if not bad:
+                with self._lock:
+                    self.rows_read += len(rows)
+                out.set_result(rows)
+                return
+            e = BadUnit(*bad.split("\t", 1))
+            if self.on_bad_shard != "skip":
+                out.set_exception(bad_shard_error(e))
+                return
+            # Its places filled from the next readable unit, read here (a failure case: this rank reads storage).
+            sub = self._pool.submit(self._substitute, epoch, u, e)
+            sub.add_done_callback(lambda f: out.set_exception(f.exception()) if f.exception() else
+                                  out.set_result(f.result()))
+
+        self.feed.future((epoch, u)).add_done_callback(arrived)
+        return out
 
     def _load(self, epoch: int, u: int) -> np.ndarray:
         unit = self.plan.units[u]

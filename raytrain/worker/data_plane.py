@@ -27,6 +27,7 @@ class DataPlane:
     def __init__(self, data_cfg, *, split: Split, seed: int, global_batch: int, rank: int, size: int, position: int,
                  steps_left: int, device="cpu", mixture: Optional[dict] = None):
         self.split, self.global_batch, self.dp_size = split, global_batch, size
+        self.router = None
         # The data position itself is the run's (TrainState.samples_seen), passed in each time; this is only how far
         # this rank's reader has handed out batches (ahead of it by one batch between `take` and the step's count).
         self._next = position // global_batch
@@ -40,9 +41,29 @@ class DataPlane:
         else:
             self.plan = SamplePlan.for_split(split, seed, global_batch, data_cfg.shuffle)
             self.lanes = self.plan.lanes_of(rank, size)
-            self.reader = PlannedReader(split, self.plan, self.lanes, position // global_batch, **opts)
+            self.router, feed = self._ingest(data_cfg, split=split, seed=seed, rank=rank, size=size,
+                                             start=position // global_batch, end=opts["end_step"])
+            self.reader = PlannedReader(split, self.plan, self.lanes, position // global_batch, feed=feed, **opts)
         self._step = None
         self.content = 0
+
+    def _ingest(self, data_cfg, *, split: Split, seed: int, rank: int, size: int, start: int, end: int):
+        """data.reader=ray: this attempt's ingest router (rank 0 starts it; its name reaches the other ranks on one
+        broadcast) and this rank's feed from it (raytrain/data/ingest.py). (None, None) for the direct reader."""
+        self.router = None
+        if data_cfg.reader != "ray":
+            return None, None
+        import uuid
+
+        from raytrain.data import ingest
+
+        name = [f"raytrain-ingest-{uuid.uuid4().hex}" if rank == 0 else None]
+        if size > 1:
+            dist.broadcast_object_list(name, src=0, device=self.device if self.device.type == "cuda" else None)
+        router = ingest.start(split, seed=seed, global_batch=self.global_batch, rank=rank, world=size,
+                              start_step=start, end_step=end, data_cfg=data_cfg, name=name[0])
+        self._rank = rank
+        return router, ingest.UnitFeed(router, rank, bound=data_cfg.ingest_queue_units)
 
     def epoch(self, position: int) -> int:
         """Whole passes over the training data at data position `position` (a mixture: over all its sources'
@@ -72,7 +93,10 @@ class DataPlane:
 
     def run_until(self, position: int, steps_left: int) -> None:
         """The run needs `steps_left` more batches from data position `position` (after a rollback: more)."""
-        self.reader.extend_to(position // self.global_batch + steps_left)
+        end = position // self.global_batch + steps_left
+        if self.router is not None:
+            self.router.extend.remote(end)  # every rank asks the same: the router keeps the furthest
+        self.reader.extend_to(end)
 
     def fingerprint(self) -> int:
         """Of the sample ids of the whole global batch just taken, from the plan alone: equal across world sizes."""
@@ -117,3 +141,9 @@ class DataPlane:
 
     def close(self) -> None:
         self.reader.close()
+        if self.reader.feed is not None:
+            self.reader.feed.close()
+        if self.router is not None and self._rank == 0:
+            import ray
+
+            ray.kill(self.router)  # the other ranks are done with it: every rank closes after the last step

@@ -1,0 +1,113 @@
+"""data.reader=ray (raytrain/data/ingest.py): Ray Data reads the units the sample plan names and the ranks get them by
+key: the same batches, losses and content checksums as the direct reader, through a SIGKILL and a 2 -> 1 -> 2
+resize, Parquet and WebDataset; the training workers read nothing from storage."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from raytrain.data.ingest import items_between, rank_units
+from raytrain.data.manifest import load_split
+from raytrain.data.prepare import PrepareConfig, prepare
+from raytrain.data.sample_plan import SamplePlan, lanes_of
+from raytrain.errors import UserError
+from tests.helpers import tiny_cfg
+
+
+def _metrics(run_uri: str) -> list[dict]:
+    return [json.loads(x) for x in open(f"{run_uri}/metrics.jsonl").read().splitlines()]
+
+
+def _steps(run_uri: str) -> dict[int, dict]:
+    recs = [r for r in _metrics(run_uri) if "loss" in r]
+    assert len({r["step"] for r in recs}) == len(recs), "a step was logged twice"
+    return {r["step"]: r for r in recs}
+
+
+@pytest.fixture(scope="module")
+def both(corpus_dir, tmp_path_factory):
+    """The tests' corpus prepared as Parquet and WebDataset (the same rows in both)."""
+    out = tmp_path_factory.mktemp("both") / "ds"
+    prepare(PrepareConfig(inputs=[str(corpus_dir)], out=str(out), vocab_size=300, seq_len=32, shard_rows=64,
+                          near_dup_threshold=1.0, val_fraction=0.1, formats=["parquet", "webdataset"]),
+            log=lambda *_: None)
+    return out
+
+
+@pytest.fixture(scope="module")
+def direct(ray_cluster, both, tmp_path_factory):
+    """The direct reader's uninterrupted 12 steps on 2 workers, Parquet: the batches the ray reader must give."""
+    from raytrain.trainer import train
+
+    cfg = tiny_cfg(both, tmp_path_factory.mktemp("runs"), "direct", "run.max_steps=12", "checkpoint.every_n_steps=4")
+    train(cfg, log=lambda *_: None)
+    return _steps(cfg.run_uri)
+
+
+def _same_batches(got: dict, want: dict, from_step: int = 1) -> None:
+    assert sorted(got) == list(range(1, 13))
+    for step in range(1, 13):
+        assert (got[step]["batch_crc32"], got[step]["content_checksum"]) == \
+            (want[step]["batch_crc32"], want[step]["content_checksum"]), step
+        if step >= from_step:
+            assert got[step]["loss"] == pytest.approx(want[step]["loss"], abs=1e-5), step
+
+
+def test_items_list_each_unit_once_with_the_ranks_that_need_it(both):
+    split = load_split(f"{both}/train")
+    plan = SamplePlan.for_split(split, 0, 8)
+    for world in (1, 2, 4):
+        items = items_between(plan, world, 3, 3, 3 + 2 * plan.steps_per_epoch)
+        keys = [(it["epoch"], it["unit"]) for it in items]
+        assert len(keys) == len(set(keys)) and [it["step"] for it in items] == sorted(it["step"] for it in items)
+        for rank in range(world):
+            want = []
+            for step, epoch, unit in rank_units(plan, lanes_of(8, rank, world), 3):
+                if step >= 3 + 2 * plan.steps_per_epoch:
+                    break
+                want.append((epoch, unit))
+            assert [k for k, it in zip(keys, items) if rank in it["ranks"]] == sorted(
+                want, key=lambda k: keys.index(k))
+            assert set(want) == {k for k, it in zip(keys, items) if rank in it["ranks"]}
+
+
+def test_the_ray_reader_takes_no_mixture_yet():
+    with pytest.raises(UserError, match="data.reader=ray does not take a mixture yet"):
+        tiny_cfg("/nowhere", "/tmp", "x", "data.reader=ray",
+                 "data.train=[{name: a, path: /a, weight: 1}, {name: b, path: /b, weight: 1}]")
+
+
+@pytest.mark.slow
+def test_ray_reader_gives_the_direct_readers_batches_through_a_kill(ray_cluster, both, tmp_path, direct):
+    """Parquet, 2 workers, rank 1 SIGKILLed after step 6: every step's batch, loss and content checksum as the direct
+    reader's; the workers fetched no byte from storage (Ray Data's tasks did)."""
+    from raytrain.trainer import train
+
+    cfg = tiny_cfg(both, tmp_path, "ray-kill", "data.reader=ray", "run.max_steps=12", "checkpoint.every_n_steps=4",
+                   "run.max_failures=1")
+    summary = train(cfg, log=lambda *_: None, inject={"crash_at_step": 6, "marker": str(tmp_path / "m"), "rank": 1})
+    assert summary["restarts"] == 1
+    _same_batches(_steps(cfg.run_uri), direct)
+    assert summary["data_bytes_fetched_per_worker"] == 0 and summary["data_rows_read_per_worker"] > 0
+
+
+@pytest.mark.slow
+def test_ray_reader_on_webdataset_through_a_2_1_2_resize(ray_cluster, both, tmp_path, direct):
+    """WebDataset shards, 2 workers -> 1 -> 2 with a crash after each checkpoint: the direct Parquet run's batches
+    in every step, its losses from the first resume on."""
+    from raytrain.trainer import train
+
+    common = ("data.reader=ray", "data.format=webdataset", "checkpoint.every_n_steps=4", "run.max_steps=12",
+              "checkpoint.upload=sync")
+    with pytest.raises(Exception):
+        train(tiny_cfg(both, tmp_path, "ray-resize", *common), log=lambda *_: None,
+              inject={"crash_at_step": 5, "marker": str(tmp_path / "m1")})
+    with pytest.raises(Exception):
+        train(tiny_cfg(both, tmp_path, "ray-resize", *common, "scaling.num_workers=1"), log=lambda *_: None,
+              inject={"crash_at_step": 9, "marker": str(tmp_path / "m2")})
+    cfg = tiny_cfg(both, tmp_path, "ray-resize", *common)
+    summary = train(cfg, log=lambda *_: None)
+    _same_batches(_steps(cfg.run_uri), direct, from_step=5)
+    assert summary["data_bytes_fetched_per_worker"] == 0
