@@ -133,6 +133,8 @@ class DataConfig(Section):
     stall_timeout_s: float = Field(600.0, gt=0.0, description="fail with a diagnosis when no data arrives for this long (never hang)")
     document_mask: bool = Field(True, description="fine-tuning data (prepare format=prompt_completion|chat): positions restart at every packed example and attention stays inside it, so an example is learned as if alone in its sequence; false: packed examples see each other (the loss mask holds either way). Text data has no example boundaries and ignores it")
     reader: Literal["direct", "ray"] = Field("direct", description="how training workers get their rows: direct (each rank reads the units its lanes need from storage, pyarrow) or ray (one Ray Data pipeline per worker-group start reads and decodes the units the sample plan names, on the cluster's CPUs, and hands each to the ranks that need it by key: the same batches; docs/DATA.md)")
+    transform: Optional[str] = Field(None, description="a function run on every unit's rows as they are read, module:function (or a built-in: fim, fill-in-the-middle), seeded by (run seed, epoch, unit): the same rows after a resume or resize, with either reader (data.reader=ray runs it on the pipeline's CPU nodes); checked on the split's first unit before training starts (docs/DATA.md)")
+    transform_args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of data.transform, e.g. {rate: 0.5, spm_rate: 0.5} for fim")
     ingest_queue_units: int = Field(4, ge=1, description="data.reader=ray: units waiting for a rank before the pipeline is held back (per rank, in the object store and in the rank)")
     ingest_resources: dict[str, float] = Field(default_factory=dict, description="data.reader=ray: Ray resources each read task asks for besides 1 CPU, e.g. {data: 1} to run them on nodes that offer a custom 'data' resource (CPU-only data nodes)")
     on_bad_shard: Literal["error", "skip"] = Field("error", description="a shard that cannot be read during training (corrupt Parquet, truncated tar): stop with an error naming it, or skip it and count it (metrics: data_skipped_shards)")
@@ -409,6 +411,8 @@ class Config(Section):
         from raytrain.data.mixture import check_mixture
 
         check_mixture(self.data.train, self.data.mixture_schedule)  # weights, names, stage order
+        if isinstance(self.data.train, list) and self.data.transform:
+            raise ValueError("data.transform does not take a mixture yet (data.train is a list of sources)")
         if isinstance(self.data.train, list) and self.data.reader == "ray":
             raise ValueError("data.reader=ray does not take a mixture yet (data.train is a list of sources); use "
                              "data.reader=direct")

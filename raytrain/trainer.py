@@ -10,9 +10,13 @@ import contextlib
 import os
 from typing import Callable, Optional
 
+import numpy as np
+
 from raytrain import faults, micro_batch, storage
 from raytrain.config import Config
-from raytrain.data import sources
+from raytrain.data import sources, transforms
+from raytrain.data.reader import read_unit
+from raytrain.data.sample_plan import units_of
 from raytrain.data.manifest import Split, load_split
 from raytrain.errors import UserError
 from raytrain.rundir import COMM_FAILURE, CONFIG, RunDir
@@ -34,6 +38,8 @@ def check_inputs(cfg: Config) -> tuple[Split, Optional[Split]]:
     else:
         train = load_split(cfg.data.train, "data.train", checksums=deep, fmt=fmt)
         named = [("data.train", train)]
+        transforms.check(cfg.data, train, cfg.run.seed, lambda: read_unit(train, units_of(train.shard_rows)[0],
+                                                                          dtype=np.int32))
     val = load_split(cfg.data.val, "data.val", checksums=deep, fmt=fmt) if cfg.data.val else None
     for name, split in named + [("data.val", val)]:
         if split is None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from raytrain.data.ingest import items_between, rank_units
@@ -111,3 +112,45 @@ def test_ray_reader_on_webdataset_through_a_2_1_2_resize(ray_cluster, both, tmp_
     summary = train(cfg, log=lambda *_: None)
     _same_batches(_steps(cfg.run_uri), direct, from_step=5)
     assert summary["data_bytes_fetched_per_worker"] == 0
+
+
+@pytest.fixture(scope="module")
+def fim_data(corpus_dir, tmp_path_factory):
+    """The corpus prepared with the fill-in-the-middle sentinels in its tokenizer."""
+    out = tmp_path_factory.mktemp("fim") / "ds"
+    prepare(PrepareConfig(inputs=[str(corpus_dir)], out=str(out), vocab_size=300, seq_len=32, shard_rows=64,
+                          near_dup_threshold=1.0, val_fraction=0.1,
+                          special_tokens=["<fim_prefix>", "<fim_middle>", "<fim_suffix>"]), log=lambda *_: None)
+    return out
+
+
+@pytest.mark.slow
+def test_a_transform_gives_the_same_rows_with_either_reader_and_fim_trains(ray_cluster, fim_data, tmp_path):
+    """data.transform=fim on 2 workers: the ray reader (the transform in its Ray Data tasks) and the direct reader
+    (in the workers' read threads) train on the same bytes, step by step; the loss falls."""
+    from raytrain.data import content_checksum
+    from raytrain.data.reader import read_unit
+    from raytrain.data.sample_plan import units_of
+    from raytrain.data.transforms import Transform
+    from raytrain.trainer import train
+
+    runs = {}
+    for reader in ("direct", "ray"):
+        cfg = tiny_cfg(fim_data, tmp_path, f"fim-{reader}", f"data.reader={reader}", "data.transform=fim",
+                       "data.transform_args={rate: 0.5}", "run.max_steps=10", "data.val=null")
+        train(cfg, log=lambda *_: None)
+        runs[reader] = _steps(cfg.run_uri)
+    assert {s: (r["content_checksum"], r["loss"]) for s, r in runs["ray"].items()} == \
+        {s: (r["content_checksum"], pytest.approx(r["loss"], abs=1e-5)) for s, r in runs["direct"].items()}
+    loss = {s: r["loss"] for s, r in runs["ray"].items()}
+    assert (loss[9] + loss[10]) / 2 < 0.9 * (loss[1] + loss[2]) / 2, loss
+    # The rows trained on are transformed ones: not the checksum of the untransformed first batch.
+    split = load_split(f"{fim_data}/train")
+    plan = SamplePlan.for_split(split, 0, 8)
+    first = plan.step(0)
+    units = units_of(split.shard_rows)
+    t = Transform("fim", {"rate": 0.5}, 0)
+    raw = np.stack([read_unit(split, units[u], dtype=np.int32)[r] for u, r in zip(first.units, first.rows)])
+    fimmed = np.stack([t(read_unit(split, units[u], dtype=np.int32), epoch=0, unit=int(u), split=split)[r]
+                       for u, r in zip(first.units, first.rows)])
+    assert runs["ray"][1]["content_checksum"] == content_checksum.of_batch(fimmed) != content_checksum.of_batch(raw)

@@ -56,14 +56,18 @@ def items_between(plan: SamplePlan, world: int, start_step: int, lo: int, hi: in
     return sorted(found.values(), key=lambda it: (it["step"], it["epoch"], it["unit"]))
 
 
-def read_item(item: dict, *, split_dict: dict, units: list) -> dict:
-    """A Ray Data task's work: one unit's rows as int32, or the reason it cannot be read."""
+def read_item(item: dict, *, split_dict: dict, units: list, transform: Optional[dict]) -> dict:
+    """A Ray Data task's work: one unit's rows as int32, transformed (data.transform), or why it cannot be read."""
     from raytrain.data.reader import BadUnit, read_unit
     from raytrain.data.sample_plan import Unit
+    from raytrain.data.transforms import Transform
 
     split = Split.from_dict(split_dict)
     try:
         rows = read_unit(split, Unit(*units[item["unit"]]), dtype=np.int32)
+        t = Transform.from_dict(transform)
+        if t is not None:
+            rows = t(rows, epoch=item["epoch"], unit=item["unit"], split=split)
         return {"epoch": item["epoch"], "unit": item["unit"], "rows": rows, "bad": ""}
     except BadUnit as e:
         return {"epoch": item["epoch"], "unit": item["unit"], "rows": np.zeros((0, split.row_width), np.int32),
@@ -74,8 +78,8 @@ class IngestRouter:
     """The run attempt's pipeline and the ranks' queues (a Ray actor, created by rank 0)."""
 
     def __init__(self, split_dict: dict, *, seed: int, global_batch: int, shuffle: bool, world: int, start_step: int,
-                 end_step: int, queue_units: int, resources: dict):
-        self.split_dict, self.world, self.start_step = split_dict, world, start_step
+                 end_step: int, queue_units: int, resources: dict, transform: Optional[dict] = None):
+        self.split_dict, self.world, self.start_step, self.transform = split_dict, world, start_step, transform
         self.plan = SamplePlan.for_split(Split.from_dict(split_dict), seed, global_batch, shuffle)
         self.units = [(u.shard, u.start, u.rows) for u in self.plan.units]
         self.bound, self.resources = queue_units, resources
@@ -117,7 +121,8 @@ class IngestRouter:
                 ctx.enable_progress_bars = False  # workers' logs reach the driver's console: no bars there
                 ctx.print_on_execution_start = False
                 ds = ray.data.from_items(items, override_num_blocks=len(items)).map(
-                    read_item, fn_kwargs={"split_dict": self.split_dict, "units": self.units}, num_cpus=1,
+                    read_item, fn_kwargs={"split_dict": self.split_dict, "units": self.units,
+                                          "transform": self.transform}, num_cpus=1,
                     resources=self.resources or None)
                 ranks = {(it["epoch"], it["unit"]): it["ranks"] for it in items}
                 for row in ds.iter_rows():
@@ -215,7 +220,7 @@ class UnitFeed:
 
 
 def start(split: Split, *, seed: int, global_batch: int, rank: int, world: int, start_step: int, end_step: int,
-          data_cfg, name: str):
+          data_cfg, name: str, transform=None):
     """The attempt's router: created by rank 0 under `name` (the same on every rank, new for every attempt),
     found by the others. It lives as long as rank 0's process."""
     import ray
@@ -225,7 +230,8 @@ def start(split: Split, *, seed: int, global_batch: int, rank: int, world: int, 
     if rank == 0:
         return actor.remote(split.to_dict(), seed=seed, global_batch=global_batch, shuffle=data_cfg.shuffle,
                             world=world, start_step=start_step, end_step=end_step,
-                            queue_units=data_cfg.ingest_queue_units, resources=dict(data_cfg.ingest_resources))
+                            queue_units=data_cfg.ingest_queue_units, resources=dict(data_cfg.ingest_resources),
+                            transform=transform.to_dict() if transform is not None else None)
     deadline = time.monotonic() + 120
     while True:
         try:

@@ -131,8 +131,9 @@ class PlannedReader:
     def __init__(self, split: Split, plan: SamplePlan, lanes: tuple[int, int], start_step: int = 0,
                  ahead: Optional[int] = None, threads: int = 4, stall_timeout_s: float = 600.0,
                  on_bad_shard: str = "error", counter: Optional[storage.ReadCounter] = None,
-                 end_step: Optional[int] = None, feed=None):
+                 end_step: Optional[int] = None, feed=None, transform=None):
         self.split, self.plan, self.lanes = split, plan, lanes
+        self.transform = transform  # data.transform (raytrain/data/transforms.py), applied as each unit is read
         self.feed = feed  # data.reader=ray: units come from the ingest pipeline by key (raytrain/data/ingest.py)
         self.step_next = start_step
         # Nothing at or past end_step is read (the run's last step: no read-ahead wasted); extend_to moves it.
@@ -234,7 +235,7 @@ class PlannedReader:
         self.units_opened.append((epoch, u))
         try:
             # Token ids as int32: half the cache of int64, decoded once (no second copy).
-            rows = read_unit(self.split, unit, self.counter, np.int32)
+            rows = self._transformed(read_unit(self.split, unit, self.counter, np.int32), epoch, u)
         except BadUnit as e:
             if self.on_bad_shard != "skip":
                 raise bad_shard_error(e) from None
@@ -242,6 +243,9 @@ class PlannedReader:
         with self._lock:
             self.rows_read += len(rows)
         return rows
+
+    def _transformed(self, rows: np.ndarray, epoch: int, u: int) -> np.ndarray:
+        return rows if self.transform is None else self.transform(rows, epoch=epoch, unit=u, split=self.split)
 
     def _skip(self, uri: str) -> bool:
         """Counts a bad shard once, however many reader threads meet it at once (two epochs' loads can)."""
@@ -261,7 +265,8 @@ class PlannedReader:
         for k in range(1, len(order)):
             cand = int(order[(j + k) % len(order)])
             try:
-                rows = read_unit(self.split, self.plan.units[cand], self.counter, np.int32)
+                rows = self._transformed(read_unit(self.split, self.plan.units[cand], self.counter, np.int32),
+                                         epoch, cand)
             except BadUnit as e2:
                 self._skip(e2.uri)
                 continue

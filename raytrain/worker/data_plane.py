@@ -18,6 +18,7 @@ from raytrain.data.manifest import Split
 from raytrain.data.mixed_reader import MixedReader
 from raytrain.data.mixture import MixturePlan
 from raytrain.data.sample_plan import SamplePlan
+from raytrain.data.transforms import Transform
 from raytrain.data.reader import PlannedReader
 
 
@@ -41,13 +42,15 @@ class DataPlane:
         else:
             self.plan = SamplePlan.for_split(split, seed, global_batch, data_cfg.shuffle)
             self.lanes = self.plan.lanes_of(rank, size)
+            transform = Transform(data_cfg.transform, data_cfg.transform_args, seed) if data_cfg.transform else None
             self.router, feed = self._ingest(data_cfg, split=split, seed=seed, rank=rank, size=size,
-                                             start=position // global_batch, end=opts["end_step"])
-            self.reader = PlannedReader(split, self.plan, self.lanes, position // global_batch, feed=feed, **opts)
+                                             start=position // global_batch, end=opts["end_step"], transform=transform)
+            self.reader = PlannedReader(split, self.plan, self.lanes, position // global_batch, feed=feed,
+                                        transform=transform, **opts)
         self._step = None
         self.content = 0
 
-    def _ingest(self, data_cfg, *, split: Split, seed: int, rank: int, size: int, start: int, end: int):
+    def _ingest(self, data_cfg, *, split: Split, seed: int, rank: int, size: int, start: int, end: int, transform):
         """data.reader=ray: this attempt's ingest router (rank 0 starts it; its name reaches the other ranks on one
         broadcast) and this rank's feed from it (raytrain/data/ingest.py). (None, None) for the direct reader."""
         self.router = None
@@ -61,7 +64,7 @@ class DataPlane:
         if size > 1:
             dist.broadcast_object_list(name, src=0, device=self.device if self.device.type == "cuda" else None)
         router = ingest.start(split, seed=seed, global_batch=self.global_batch, rank=rank, world=size,
-                              start_step=start, end_step=end, data_cfg=data_cfg, name=name[0])
+                              start_step=start, end_step=end, data_cfg=data_cfg, name=name[0], transform=transform)
         self._rank = rank
         return router, ingest.UnitFeed(router, rank, bound=data_cfg.ingest_queue_units)
 
