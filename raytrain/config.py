@@ -136,7 +136,7 @@ class DataConfig(Section):
     transform: Optional[str] = Field(None, description="a function run on every unit's rows as they are read, module:function (or a built-in: fim, fill-in-the-middle), seeded by (run seed, epoch, unit): the same rows after a resume or resize, with either reader (data.reader=ray runs it on the pipeline's CPU nodes); checked on the split's first unit before training starts (docs/DATA.md)")
     transform_args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of data.transform, e.g. {rate: 0.5, spm_rate: 0.5} for fim")
     ingest_queue_units: int = Field(4, ge=1, description="data.reader=ray: units waiting for a rank before the pipeline is held back (per rank, in the object store and in the rank)")
-    ingest_resources: dict[str, float] = Field(default_factory=dict, description="data.reader=ray: Ray resources each read task asks for besides 1 CPU, e.g. {data: 1} to run them on nodes that offer a custom 'data' resource (CPU-only data nodes)")
+    ingest_resources: Optional[dict[str, float]] = Field(None, description="data.reader=ray: Ray resources each read task asks for besides 1 CPU; null: {data: 0.001} when some node offers the custom `data` resource (the CPU-only data nodes of cluster/*.yaml), so the tasks never take a GPU host's cores, else none (a laptop: its own CPUs); {}: anywhere")
     on_bad_shard: Literal["error", "skip"] = Field("error", description="a shard that cannot be read during training (corrupt Parquet, truncated tar): stop with an error naming it, or skip it and count it (metrics: data_skipped_shards)")
 
 

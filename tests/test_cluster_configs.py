@@ -80,7 +80,11 @@ def test_cloud_configs_are_spot_clusters_with_closed_dashboard(path):
     spot = [n for n, t in workers.items() if t["resources"].get("spot")]
     ondemand = [n for n, t in workers.items() if t["resources"].get("ondemand")]
     assert len(spot) >= 2 and len(ondemand) >= 1, (spot, ondemand)
-    assert all(workers[n]["min_workers"] == 0 for n in spot), "spot workers scale from zero"
+    gpu_spot = [n for n in spot if workers[n]["resources"].get("GPU")]
+    assert gpu_spot and all(workers[n]["min_workers"] == 0 for n in gpu_spot), "spot GPU workers scale from zero"
+    # A CPU-only data node type (data.reader=ray's tasks go where the `data` resource is), always at least one.
+    data = [t for t in workers.values() if t["resources"].get("data")]
+    assert data and all(t["min_workers"] >= 1 and not t["resources"].get("GPU") for t in data), data
     assert "spot" not in json.dumps(head["node_config"]).lower().replace("spot-", ""), "the head is on-demand"
     assert cfg["idle_timeout_minutes"] > 0
     assert "--dashboard-host=0.0.0.0" not in text and "--dashboard-host=127.0.0.1" in text
@@ -105,6 +109,8 @@ def test_local_fake_config_has_a_spot_type_that_scales_from_zero():
     spot = cfg["available_node_types"]["spot"]
     assert spot["min_workers"] == 0 and spot["max_workers"] >= 2 and spot["resources"]["spot"] == 1
     assert "spot" not in cfg["available_node_types"]["ray.head.default"]["resources"]
+    data = cfg["available_node_types"]["data"]
+    assert data["min_workers"] >= 1 and data["resources"]["data"] > 0 and "spot" not in data["resources"]
 
 
 def test_iam_policies_are_least_privilege():
@@ -131,7 +137,10 @@ def test_kuberay_manifest_matches_crd(manifest):
     spec = doc["spec"] if doc["kind"] == "RayCluster" else doc["spec"]["rayClusterSpec"]
     assert spec["enableInTreeAutoscaling"] is True and spec["authOptions"]["mode"] == "token"
     spot_groups = [g for g in spec["workerGroupSpecs"] if g.get("resources", {}).get("spot")]
-    assert spot_groups and all(g["minReplicas"] == 0 for g in spot_groups)
+    data_groups = [g for g in spot_groups if g["resources"].get("data")]
+    assert spot_groups and all(g["minReplicas"] == 0 for g in spot_groups if g not in data_groups)
+    if doc["kind"] == "RayCluster":  # the data pods: CPU only, at least one
+        assert data_groups and all(g["minReplicas"] >= 1 and "nvidia.com/gpu" not in json.dumps(g) for g in data_groups)
     for g in spot_groups:
         pod = g["template"]["spec"]
         assert pod["nodeSelector"]["cloud.google.com/gke-spot"] == "true"

@@ -219,6 +219,16 @@ class UnitFeed:
             self.cv.notify_all()
 
 
+def task_resources(data_cfg) -> dict:
+    """What each read task asks for besides 1 CPU: data.ingest_resources, or where data nodes exist, a sliver of
+    their `data` resource (so the tasks run there and only there)."""
+    import ray
+
+    if data_cfg.ingest_resources is not None:
+        return dict(data_cfg.ingest_resources)
+    return {"data": 0.001} if ray.cluster_resources().get("data") else {}
+
+
 def start(split: Split, *, seed: int, global_batch: int, rank: int, world: int, start_step: int, end_step: int,
           data_cfg, name: str, transform=None):
     """The attempt's router: created by rank 0 under `name` (the same on every rank, new for every attempt),
@@ -230,7 +240,7 @@ def start(split: Split, *, seed: int, global_batch: int, rank: int, world: int, 
     if rank == 0:
         return actor.remote(split.to_dict(), seed=seed, global_batch=global_batch, shuffle=data_cfg.shuffle,
                             world=world, start_step=start_step, end_step=end_step,
-                            queue_units=data_cfg.ingest_queue_units, resources=dict(data_cfg.ingest_resources),
+                            queue_units=data_cfg.ingest_queue_units, resources=task_resources(data_cfg),
                             transform=transform.to_dict() if transform is not None else None)
     deadline = time.monotonic() + 120
     while True:
