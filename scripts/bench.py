@@ -5,6 +5,8 @@ A "baseline" cell only ever holds a figure measured in that run (benchkit.parts.
 
 Parts (see scripts/benchkit/parts.py):
   overhead    raytrain tokens/s at steady state vs a plain PyTorch loop (1 worker) and plain DDP (2 workers)
+  readers     data.reader=ray vs direct: tokens/s, data wait, worker start to first step (1, 2 workers); read +
+              decode and the fim transform per CPU core, and the cores per H100 they take
   ingest      the training reader's tokens/s (PlannedReader, plan order) vs a raw pyarrow read; data wait in training
   checkpoint  save / restore MB/s to a local S3-protocol server (moto) vs raw boto3; async vs sync upload stall
   recovery    seconds from a worker SIGKILL to the first resumed step; steps lost; tokens/s after vs before; the median of 5 kills by phase;
@@ -40,7 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-PARTS = ("overhead", "ingest", "checkpoint", "recovery", "gpu", "dataplane", "dataplane_runs", "trackers", "serve")
+PARTS = ("overhead", "readers", "ingest", "checkpoint", "recovery", "gpu", "dataplane", "dataplane_runs", "trackers", "serve")
 EXTRA_PARTS = ("memory",)  # run only when named in --parts: ~10 GB of RAM across its workers
 
 
@@ -148,11 +150,11 @@ def main(argv: list[str] | None = None) -> dict:
             import boto3
 
             boto3.client("s3").create_bucket(Bucket="bench")
-        if set(parts) & {"overhead", "ingest", "recovery", "serve"}:
+        if set(parts) & {"overhead", "readers", "ingest", "recovery", "serve"}:
             t = time.perf_counter()
             data = P.prepare_data(os.path.join(tmp, "data"), 300_000 if args.quick else 1_500_000)
             print(f"dataset prepared in {time.perf_counter() - t:.1f}s", flush=True)
-        if set(parts) & {"overhead", "ingest", "recovery", "dataplane_runs", "trackers"}:
+        if set(parts) & {"overhead", "readers", "ingest", "recovery", "dataplane_runs", "trackers"}:
             import ray
 
             # Logical CPUs above the 2 training workers, so Ray Data always has room (pitfalls #1).
@@ -187,6 +189,9 @@ def main(argv: list[str] | None = None) -> dict:
         if "overhead" in parts:
             _, train_runs = section("1. training overhead: raytrain vs plain loops (same model, micro-batch, threads)",
                                     lambda: P.overhead(data, tmp, args.quick))
+        if "readers" in parts:
+            section("1b. readers: data.reader=ray (Ray Data, routed by key) vs direct, 1 and 2 workers",
+                    lambda: P.readers(data, tmp, args.quick))
         if "ingest" in parts:
             section("2. ingest: the training reader vs raw pyarrow; data wait in training",
                     lambda: P.ingest(data, 3 if args.quick else 10, train_runs))

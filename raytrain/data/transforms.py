@@ -87,17 +87,17 @@ def _token_ids(tokenizer_uri: str, names: tuple[str, ...]) -> tuple[int, ...]:
 
 
 def fim(rows: np.ndarray, *, rng: np.random.Generator, split, rate: float = 0.5, spm_rate: float = 0.5,
-        sentinels: tuple = FIM_SENTINELS) -> np.ndarray:
+        sentinels: tuple = FIM_SENTINELS, ids: Optional[tuple] = None) -> np.ndarray:
     """Fill-in-the-middle (Bavarian et al. 2022; StarCoder, Code Llama): each row, with probability `rate`, becomes
     prefix / suffix / middle around two random cuts, in PSM order (<fim_prefix> prefix <fim_suffix> suffix
     <fim_middle> middle) or, with probability spm_rate among those, SPM (<fim_prefix> <fim_suffix> suffix
     <fim_middle> prefix middle). The row keeps its length: its last 3 tokens make room for the sentinels. Text rows
     only (every token is learned, so the loss needs no mask change); the sentinels must be in the tokenizer
-    (`raytrain prepare special_tokens=[<fim_prefix>,<fim_middle>,<fim_suffix>]`)."""
+    (`raytrain prepare special_tokens=[<fim_prefix>,<fim_middle>,<fim_suffix>]`), or their ids given as `ids`."""
     width = split.seq_len + 1
     if rows.shape[1] != width:
         raise ValueError("fim takes text rows (prepare format=text), not fine-tuning examples")
-    pre, mid, suf = _token_ids(split.tokenizer_uri, tuple(sentinels))
+    pre, mid, suf = ids if ids is not None else _token_ids(split.tokenizer_uri, tuple(sentinels))
     out = rows.copy()
     n = width - 3
     chosen = rng.random(len(rows)) < rate

@@ -164,11 +164,12 @@ def overhead(data: str, tmp: str, quick: bool, log: Callable = print) -> tuple[l
     return figs, runs
 
 
-def _raytrain_run(data: str, tmp: str, name: str, workers: int, steps: int, every: int) -> tuple[list, float, float]:
+def _raytrain_run(data: str, tmp: str, name: str, workers: int, steps: int, every: int,
+                  *overrides: str) -> tuple[list, float, float]:
     """(metrics records with tokens/s, steady tokens/s, seconds incl. start) of one raytrain run."""
     from raytrain.trainer import train
 
-    cfg = train_cfg(data, f"{tmp}/runs", name, workers, steps, every)
+    cfg = train_cfg(data, f"{tmp}/runs", name, workers, steps, every, *overrides)
     t = time.perf_counter()
     train(cfg, log=_quiet)
     took = time.perf_counter() - t
@@ -182,6 +183,64 @@ def _settle_load(below: float, wait_s: float = 90.0) -> float:
     while os.getloadavg()[0] >= below and time.time() < end:
         time.sleep(5)
     return os.getloadavg()[0]
+
+
+# ------------------------------------------------------------------------------- 1b. data.reader=ray vs direct
+
+def readers(data: str, tmp: str, quick: bool, log: Callable = print) -> list[dict]:
+    """data.reader=ray (Ray Data reads the plan's units, routed to ranks by key) against the direct reader, 1 and 2
+    workers, interleaved: steady tokens/s, data wait, seconds from a worker's start to its first step; and per CPU
+    core: a unit's read + decode, and the fill-in-the-middle transform (the cores per GPU that feeding takes)."""
+    steps, every = (40, 10) if quick else (120, 20)
+    figs = []
+    for workers in (1, 2):
+        got = {}
+        for reader in ("direct", "ray"):
+            cfg = train_cfg(data, f"{tmp}/runs", f"reader-{reader}-w{workers}", workers, steps, every,
+                            f"data.reader={reader}")
+            recs, tps, took = _raytrain_run(data, tmp, cfg.run.name, workers, steps, every, f"data.reader={reader}")
+            att = RunDir(cfg.run_uri).read_jsonl(ATTEMPTS)[-1]
+            wait = statistics.mean([r.get("data_wait_frac", 0.0) for r in recs[1:] or recs])
+            got[reader] = {"tps": tps, "wait": wait, "first_step_s": att["first_step_time"] - att["time"]}
+            log(f"  {workers} worker(s), {reader}: {tps:,.0f} tokens/s, data wait {wait:.1%}, first step "
+                f"{got[reader]['first_step_s']:.1f} s after the worker started (run {took:.0f} s)")
+        d, r = got["direct"], got["ray"]
+        figs.append(figure("1b readers", f"data.reader=ray tokens/s, {workers} worker(s)", r["tps"], "tokens/s",
+                           "data.reader=direct, same run", measured(d["tps"]), target="(no target)",
+                           data_wait_ray=r["wait"], data_wait_direct=d["wait"]))
+        figs.append(figure("1b readers", f"data.reader=ray: worker start to first step, {workers} worker(s)",
+                           r["first_step_s"], "s", "data.reader=direct, same run", measured(d["first_step_s"]),
+                           target="(no target)"))
+    figs.extend(_per_core(data, log))
+    return figs
+
+
+def _per_core(data: str, log: Callable) -> list[dict]:
+    """Tokens per CPU-second of a unit's read + decode (Parquet, local) and of fim, and what a GPU needs."""
+    import numpy as np
+
+    from raytrain.data.manifest import load_split
+    from raytrain.data.reader import read_unit
+    from raytrain.data.sample_plan import units_of
+    from raytrain.data.transforms import fim
+
+    split = load_split(f"{data}/train")
+    units = units_of(split.shard_rows)
+    t0 = time.process_time()
+    rows = [read_unit(split, u, dtype=np.int32) for u in units]
+    read_tps = sum(r.size for r in rows) / (time.process_time() - t0)
+    rng = np.random.default_rng(0)
+    t0 = time.process_time()
+    for r in rows:
+        fim(r, rng=rng, split=split, rate=0.5, ids=(0, 1, 2))  # (the demo tokenizer has no sentinels: any ids)
+    fim_tps = sum(r.size for r in rows) / (time.process_time() - t0)
+    per_gpu = {"GPT-2 124M": 460e3, "1B": 45e3, "8B": 6e3}  # an H100's tokens/s (docs/DATA.md)
+    need = {m: round(t / read_tps + t / fim_tps, 4) for m, t in per_gpu.items()}
+    log(f"  per CPU core: read + decode {read_tps / 1e6:.1f} M tokens/s, fim {fim_tps / 1e6:.1f} M tokens/s; "
+        f"cores per H100: " + ", ".join(f"{m} {c:.3f}" for m, c in need.items()))
+    return [figure("1b readers", "read + decode (Parquet, local), tokens per CPU-second", read_tps, "tokens/s",
+                   reference="per core", cores_per_h100=need),
+            figure("1b readers", "fim transform, tokens per CPU-second", fim_tps, "tokens/s", reference="per core")]
 
 
 # ---------------------------------------------------------------------------------------- 2. ingest
