@@ -45,7 +45,12 @@ def fake_cluster(s3_server, tmp_path_factory):
 
 
 def _spot_nodes(dash: int) -> dict[str, str]:
-    """{node_id: ALIVE|DEAD} of the nodes that carry the `spot` resource, from the dashboard's state API.
+    """{node_id: ALIVE|DEAD} of the nodes that carry the `spot` resource, from the dashboard's state API."""
+    return {n["node_id"]: n["state"] for n in _state(dash, "nodes") if (n.get("resources_total") or {}).get("spot")}
+
+
+def _state(dash: int, what: str) -> list[dict]:
+    """Rows of the dashboard's state API (`nodes`, `tasks`, ...).
 
     Plain HTTP with the cluster's token (pitfalls #2): Ray's Python clients fix their auth mode when
     first imported, and this test process imported Ray before it knew about this cluster.
@@ -53,7 +58,7 @@ def _spot_nodes(dash: int) -> dict[str, str]:
     import urllib.request
 
     token = (Path.home() / ".ray" / "auth_token").read_text().strip()
-    req = urllib.request.Request(f"http://127.0.0.1:{dash}/api/v0/nodes?detail=1&limit=1000",
+    req = urllib.request.Request(f"http://127.0.0.1:{dash}/api/v0/{what}?detail=1&limit=10000",
                                  headers={"Authorization": f"Bearer {token}"})
     for attempt in range(30):  # the state API can lag the jobs API at start-up on a loaded machine
         try:
@@ -64,8 +69,7 @@ def _spot_nodes(dash: int) -> dict[str, str]:
             if attempt == 29:
                 raise
             time.sleep(2)
-    rows = body["data"]["result"]["result"]
-    return {n["node_id"]: n["state"] for n in rows if (n.get("resources_total") or {}).get("spot")}
+    return body["data"]["result"]["result"]
 
 
 def test_spot_job_scales_from_zero_survives_a_reclaim_and_finishes(fake_cluster, tiny_data, tmp_path):
@@ -80,7 +84,7 @@ def test_spot_job_scales_from_zero_survives_a_reclaim_and_finishes(fake_cluster,
         "model.n_layer=1", "model.hidden_size=32", "model.n_head=2", "model.seq_len=32", "batch.micro_batch_size=4",
         "optim.lr=3e-3", "optim.warmup_steps=2", "run.log_every=5", "run.eval_every=0", "data.eval_samples=16",
         "checkpoint.every_n_steps=10", f"run.max_steps={steps}", "run.max_failures=3",
-        "scaling.resources_per_worker={spot: 1}", "cost.record_nodes=true",
+        "scaling.resources_per_worker={spot: 1}", "cost.record_nodes=true", "data.reader=ray",
     ]
     log_path = tmp_path / "job.log"
     t0 = time.time()
@@ -150,6 +154,14 @@ def test_spot_job_scales_from_zero_survives_a_reclaim_and_finishes(fake_cluster,
     logged = [json.loads(x)["step"] for x in storage.read_text(storage.join(run_uri, "metrics.jsonl")).splitlines()
               if "loss" in json.loads(x)]
     assert logged == sorted(set(logged)) and logged[-1] == steps, logged
+
+    # data.reader=ray: every task of the run's ingest pipelines (one per worker-group start) ran on the CPU-only data
+    # node (cluster/local-fake.yaml's `data` type), none on a training node; at least one per unit of the split.
+    data_nodes = {n["node_id"] for n in _state(dash, "nodes") if (n.get("resources_total") or {}).get("data")}
+    reads = [t for t in _state(dash, "tasks") if "read_item" in (t.get("name") or "")]
+    units = len(json.loads((tiny_data / "train" / "manifest.json").read_text())["shards"]["parquet"])
+    assert len(data_nodes) == 1 and len(reads) >= units, (data_nodes, len(reads), units)
+    assert {t["node_id"] for t in reads} == data_nodes, {t["node_id"] for t in reads}
 
     # What it cost: spot node time, the preemption, the Young-Daly interval from measured checkpoint cost.
     out = subprocess.run([str(BIN / "raytrain"), "cost", run_uri, "--json"], env=env, capture_output=True, text=True,

@@ -185,7 +185,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-CASES = [(0, []), (2, []), (2, ["model.activation_checkpointing=true"])]
+# Torch's multi-tensor (foreach) AdamW, whose step makes parameter-sized temporaries: the peak DeepSpeed's estimators
+# and the activation formula describe. The fused AdamW (optim.fused=torch, the default since issue 44, also on CPU)
+# makes none: its peak is lower (the last case), so the planner errs on the safe side there.
+CASES = [(0, ["optim.fused=none"]), (2, ["optim.fused=none"]),
+         (2, ["optim.fused=none", "model.activation_checkpointing=true"]), (2, ["optim.fused=torch"])]
 VOCAB = 2048
 MODEL = ["model.n_layer=4", "model.hidden_size=384", "model.n_head=6", "model.seq_len=64", "batch.micro_batch_size=8"]
 
@@ -215,4 +219,7 @@ def test_memory_estimate_within_20_percent_of_a_real_deepspeed_step(measured, ca
     shape = shape_of(cfg.model, VOCAB)
     states, _ = model_states_bytes(shape, cfg.deepspeed.zero_stage, False, False, 1, 1)
     estimate = states + activation_bytes(shape, cfg.batch.micro_batch_size, cfg.model.activation_checkpointing)
-    assert estimate == pytest.approx(measured[case], rel=0.2), (estimate / 2**20, measured[case] / 2**20)
+    if cfg.optim.fused == "none":
+        assert estimate == pytest.approx(measured[case], rel=0.2), (estimate / 2**20, measured[case] / 2**20)
+    else:  # fused: no temporaries in the optimizer step; the estimate is an upper bound, not far off
+        assert 0.6 * estimate <= measured[case] <= estimate, (estimate / 2**20, measured[case] / 2**20)
