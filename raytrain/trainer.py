@@ -85,6 +85,15 @@ def _mixture(cfg: Config, log: Callable) -> tuple[Optional[dict], Optional[dict]
     return mixture, {n: v.to_dict() for n, v in vals.items()} or None
 
 
+def reader_for(cfg: Config) -> str:
+    """data.reader=auto: the Ray Data pipeline where CPU-only data nodes take its work, else the direct reader."""
+    import ray
+
+    if sources.is_mixture(cfg.data):
+        return "direct"  # (the ray reader takes one source)
+    return "ray" if ray.cluster_resources().get("data") else "direct"
+
+
 def init_ray(cfg: Config, command: str = "train") -> bool:
     """Connect to (or start) Ray as raytrain.ray_connect says. True when raytrain started a private local instance."""
     from raytrain.ray_connect import connect
@@ -224,6 +233,8 @@ def train(cfg: Config, log: Callable[[str], None] = print, inject: Optional[dict
     storage.check_writable(cfg.run_uri)
     local = init_ray(cfg)
     check_cluster(cfg, local)
+    if cfg.data.reader == "auto":
+        cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"reader": reader_for(cfg)})})
     if cfg.batch.micro_batch_size == "auto":  # the largest that fits a worker (raytrain/micro_batch.py)
         cfg = micro_batch.resolve(cfg, vocab=cfg.model.vocab_size or train_split.vocab_size,
                                   memory_mb=micro_batch.worker_memory_mb(cfg), log=log)
@@ -233,7 +244,8 @@ def train(cfg: Config, log: Callable[[str], None] = print, inject: Optional[dict
     o = cfg.optim
     mixture, val_sources = _mixture(cfg, log)
     log(f"[raytrain] data {train_split.num_samples:,} x {train_split.seq_len} tokens ({train_split.format}, "
-        f"{len(train_split.shard_uris)} shards) from {train_split.uri}{' and the other sources' if mixture else ''}"
+        f"{len(train_split.shard_uris)} shards, reader {cfg.data.reader}) from {train_split.uri}"
+        f"{' and the other sources' if mixture else ''}"
         + (f", val {val_split.num_samples:,}" if val_split else ", no validation")
         + f" | {cfg.run.max_steps} steps, {optimizer_named(cfg)} warmup {o.warmup_steps} {o.decay}, "
           f"clip {o.grad_clip:g}")

@@ -29,8 +29,10 @@ TAG=demo
 source "$ROOT/scripts/_ray_local.sh"
 start_cluster
 echo "[demo] ray job submit --submission-id $RUN_NAME ... -- raytrain train --config tiny ... (ray job logs -f $RUN_NAME)"
+# data.reader=ray: the training rows come through Ray Data (the sample plan's units read by a pipeline and routed
+# to the ranks by key, docs/DATA.md); on this one machine its tasks share the workers' CPUs (docs/BENCHMARKS.md).
 submit_and_follow "$RUN_NAME" raytrain train --config tiny data.train="$DATA/train" data.val="$DATA/val" \
-  checkpoint.storage="$RUNS" run.name="$RUN_NAME" "$@"
+  checkpoint.storage="$RUNS" run.name="$RUN_NAME" data.reader=ray "$@"
 
 if [ ! -f "$RUNS/$RUN_NAME/summary.json" ]; then
   echo "[demo] error: no summary.json in $RUNS/$RUN_NAME; the job did not finish" >&2

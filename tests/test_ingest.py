@@ -154,3 +154,11 @@ def test_a_transform_gives_the_same_rows_with_either_reader_and_fim_trains(ray_c
     fimmed = np.stack([t(read_unit(split, units[u], dtype=np.int32), epoch=0, unit=int(u), split=split)[r]
                        for u, r in zip(first.units, first.rows)])
     assert runs["ray"][1]["content_checksum"] == content_checksum.of_batch(fimmed) != content_checksum.of_batch(raw)
+
+
+def test_auto_takes_the_ray_reader_only_where_data_nodes_are(ray_cluster, both):
+    """data.reader=auto: this test cluster has no `data` resource, so the direct reader; a mixture always direct."""
+    from raytrain.trainer import reader_for
+
+    assert reader_for(tiny_cfg(both, "/tmp", "x")) == "direct"
+    assert tiny_cfg(both, "/tmp", "x").data.reader == "auto"

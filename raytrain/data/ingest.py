@@ -90,9 +90,6 @@ class IngestRouter:
         self.error: Optional[str] = None
         self.units_out = 0
         self.extend(end_step)
-        import logging
-
-        logging.getLogger("ray.data").setLevel(logging.WARNING)  # "execution finished" lines, one per pipeline
         threading.Thread(target=self._pump, daemon=True, name="raytrain-ingest").start()
 
     def extend(self, end_step: int) -> None:
@@ -107,8 +104,15 @@ class IngestRouter:
                 self.cv.notify_all()
 
     def _pump(self) -> None:
+        import logging
+
         import ray
         import ray.data
+
+        # This actor's log reaches the driver's console: no "execution finished" / "progress bars disabled" lines
+        # per pipeline (Ray Data sets its loggers' levels when it is imported, so after that).
+        for name in [n for n in logging.root.manager.loggerDict if n.startswith("ray.data")] + ["ray.data"]:
+            logging.getLogger(name).setLevel(logging.WARNING)
 
         try:
             while True:

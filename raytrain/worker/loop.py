@@ -71,12 +71,11 @@ class WorkerRun:
         val_split = Split.from_dict(loop_config["val_split"]) if loop_config.get("val_split") else None
         ctx = ray.train.get_context()
         rank, world = self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
-        self.cuda, device = _device(cfg, ray.train.torch)
-        # Resume point first: the newest committed checkpoint in the run directory, whether this is a worker
-        # restart inside one job or the same run submitted again. (Ray's own registry can miss the newest
-        # one when a worker dies right after uploading; our manifests cannot.) A checkpoint written by
-        # another number of workers is loaded through DeepSpeed's universal format.
-        # Host memory before storage: this node's snapshot of the newest step every rank holds (ckpt/host_snapshots.py).
+        self.cuda, self.device = _device(cfg, ray.train.torch)
+        device = self.device
+        # Resume point first: host memory (this node's snapshot of the newest step every rank holds), else the newest
+        # committed checkpoint in the run directory (our manifests, not Ray's registry, which can miss the newest);
+        # one written by another number of workers is loaded through DeepSpeed's universal format.
         self.faults = Faults(loop_config.get("inject"), rank=rank, global_batch=cfg.global_batch)
         self.memory = MemoryTier(cfg.checkpoint, run_uri=cfg.run_uri, rank=rank, world=world,
                                  enabled=cfg.deepspeed.tensor_parallel_size == 1, drill_delay_s=self.faults.snapshot_delay_s)
@@ -85,6 +84,10 @@ class WorkerRun:
             cfg.run_uri, rank, deep=cfg.checkpoint.verify_on_resume == "checksum", local_dir=cfg.checkpoint.local_dir,
             tensor_parallel=cfg.deepspeed.tensor_parallel_size > 1)
         self.boot = {"resume_point": time.time()}  # start-up phases (when each ended): where a recovery's seconds go
+        # The data plane before the engine where each rank's slice is known now (no tensor parallelism): its first
+        # reads (the ray reader's pipeline start) overlap the engine build. Rebuilt if the restore lands elsewhere.
+        early = _counters(self.from_memory, resumed) if cfg.deepspeed.tensor_parallel_size == 1 else None
+        self.data = self._data_plane(early, rank, world, loop_config, train_split) if early else None
         # Python's cyclic collector off while transformers and DeepSpeed are imported and the engine built: their
         # hundreds of thousands of new objects set off full collections that free nothing (0.3-0.6 s of a start).
         gc.disable()
@@ -107,11 +110,8 @@ class WorkerRun:
             self.state.lora_base = self.lora_base
         self.boot["restore"] = time.time()
         self.resumed_from = dir_name(self.state.step) if resumed else None
-        # This rank's rows of each global batch, by the sample plan, read ahead in the background.
-        self.data = DataPlane(cfg.data, split=train_split, seed=cfg.run.seed, global_batch=cfg.global_batch,
-                              rank=dp_rank, size=self.dp_size, position=self.state.samples_seen,
-                              steps_left=cfg.run.max_steps - self.state.step, device=device,
-                              mixture=loop_config.get("mixture"))
+        self.data = self._data_plane((self.state.step, self.state.samples_seen), dp_rank, self.dp_size, loop_config,
+                                     train_split)  # the early one if the restore landed where it was predicted
         self.loss = StepLoss(cfg.data, window=train_split.seq_len + 1, accumulation=cfg.accumulation, world=world,
                              dp_size=self.dp_size, device=device)  # masked and globally normalised for examples
         self.evaluate = evaluator_for(cfg.data, split=val_split, sources=loop_config.get("val_sources"),
@@ -138,7 +138,7 @@ class WorkerRun:
                                     trackers=Trackers(cfg, enabled=rank == 0, restarts=self.state.restarts, log=say))
         self.comm = watch_for_run(cfg, rank=rank, world=world, cuda=self.cuda,  # names the collective a rank waits in
                                   count=lambda rule: self.tel.metrics.count("raytrain_health_violations_total", rule=rule))
-        self.device, self.probe = device, StepProbe(self.faults.host_reads_path, rank)  # the probe: off by default
+        self.probe = StepProbe(self.faults.host_reads_path, rank)  # fault injection's probe: off by default
 
     def run(self) -> None:
         """Take this rank's rows of the next global batch, step, judge the loss, log / evaluate / checkpoint."""
@@ -336,6 +336,20 @@ class WorkerRun:
         engine, self.kernels = make_engine(model, cfg, ds_config=ds_config, cuda=cuda)
         return engine, n_params, n_active
 
+    def _data_plane(self, counters: tuple[int, int], rank: int, size: int, loop_config: dict,
+                    split: Split) -> DataPlane:
+        """This rank's rows of each global batch from counters (step, samples_seen) on, by the sample plan, read
+        ahead in the background (the one built before the engine, if it starts there)."""
+        cfg, built = self.cfg, getattr(self, "data", None)
+        if built is not None and self._data_from == counters:
+            return built
+        if built is not None:
+            built.close()
+        self._data_from = counters
+        return DataPlane(cfg.data, split=split, seed=cfg.run.seed, global_batch=cfg.global_batch, rank=rank,
+                         size=size, position=counters[1], steps_left=cfg.run.max_steps - counters[0],
+                         device=self.device, mixture=loop_config.get("mixture"))
+
     def _vote_on_memory(self):
         """Before any collective of the restore: every rank says whether it can apply its snapshot (one small
         all-gather). If any cannot, every rank restores from storage instead (the resume point it returns), one
@@ -470,6 +484,18 @@ def _to_device(rows: np.ndarray, device: torch.device, pin: bool) -> torch.Tenso
     if device.type != "cuda":
         return x.long()
     return (x.pin_memory() if pin else x).to(device, non_blocking=pin).long()
+
+
+def _counters(from_memory, resumed) -> tuple[int, int]:
+    """(step, samples_seen) the attempt will resume at, read before the engine is built: the memory snapshot's, the
+    checkpoint's (a few bytes), or a fresh start's."""
+    if from_memory is not None:
+        st = TrainState.from_dict(from_memory.state["train_state"])
+    elif resumed is not None:
+        st = peek_state(resumed)
+    else:
+        return 0, 0
+    return st.step, st.samples_seen
 
 
 def _data_parallel_rank(cfg: Config, rank: int, world: int) -> tuple[int, int]:
