@@ -139,8 +139,8 @@ def test_kuberay_manifest_matches_crd(manifest):
     spot_groups = [g for g in spec["workerGroupSpecs"] if g.get("resources", {}).get("spot")]
     data_groups = [g for g in spot_groups if g["resources"].get("data")]
     assert spot_groups and all(g["minReplicas"] == 0 for g in spot_groups if g not in data_groups)
-    if doc["kind"] == "RayCluster":  # the data pods: CPU only, at least one
-        assert data_groups and all(g["minReplicas"] >= 1 and "nvidia.com/gpu" not in json.dumps(g) for g in data_groups)
+    # the data pods (RayCluster and RayJob): CPU only, at least one
+    assert data_groups and all(g["minReplicas"] >= 1 and "nvidia.com/gpu" not in json.dumps(g) for g in data_groups)
     for g in spot_groups:
         pod = g["template"]["spec"]
         assert pod["nodeSelector"]["cloud.google.com/gke-spot"] == "true"
