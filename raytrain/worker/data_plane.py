@@ -28,7 +28,7 @@ class DataPlane:
     def __init__(self, data_cfg, *, split: Split, seed: int, global_batch: int, rank: int, size: int, position: int,
                  steps_left: int, device="cpu", mixture: Optional[dict] = None):
         self.split, self.global_batch, self.dp_size = split, global_batch, size
-        self.router = None
+        self.router = self.feed = None  # data.reader=ray: the ingest router and this rank's feed from it
         # The data position itself is the run's (TrainState.samples_seen), passed in each time; this is only how far
         # this rank's reader has handed out batches (ahead of it by one batch between `take` and the step's count).
         self._next = position // global_batch
@@ -53,7 +53,7 @@ class DataPlane:
     def _ingest(self, data_cfg, *, split: Split, seed: int, rank: int, size: int, start: int, end: int, transform):
         """data.reader=ray: this attempt's ingest router (rank 0 starts it; its name reaches the other ranks on one
         broadcast) and this rank's feed from it (raytrain/data/ingest.py). (None, None) for the direct reader."""
-        self.router = None
+        self.router = self.feed = None
         if data_cfg.reader != "ray":
             return None, None
         import uuid
@@ -66,7 +66,8 @@ class DataPlane:
         router = ingest.start(split, seed=seed, global_batch=self.global_batch, rank=rank, world=size,
                               start_step=start, end_step=end, data_cfg=data_cfg, name=name[0], transform=transform)
         self._rank = rank
-        return router, ingest.UnitFeed(router, rank, bound=data_cfg.ingest_queue_units)
+        self.feed = ingest.UnitFeed(router, rank, bound=data_cfg.ingest_queue_units)
+        return router, self.feed
 
     def epoch(self, position: int) -> int:
         """Whole passes over the training data at data position `position` (a mixture: over all its sources'
@@ -144,8 +145,8 @@ class DataPlane:
 
     def close(self) -> None:
         self.reader.close()
-        if self.reader.feed is not None:
-            self.reader.feed.close()
+        if self.feed is not None:
+            self.feed.close()
         if self.router is not None and self._rank == 0:
             import ray
 
