@@ -68,6 +68,29 @@ def test_agreement_flags_are_reduced_where_the_backend_can(monkeypatch):
     assert verdict.checkpoint_now and verdict.preempted is None and seen == [torch.device("cpu")]
 
 
+def test_a_step_that_checkpoints_on_a_vote_read_late_judges_its_own_loss_first(monkeypatch):
+    """The agreed cadence's vote (step 3's all-reduce) is read a step late, at step 4, which checkpoints: step 4's own
+    loss is read before the save, so no checkpoint holds weights whose loss was never judged."""
+    import torch
+    import torch.distributed as dist
+
+    from raytrain.worker.preemption import PreemptionNotice
+    from raytrain.worker.verdict import StepAgreement
+
+    class Cadence:
+        agreed = True
+
+        @staticmethod
+        def due(step):
+            return step == 3
+
+    monkeypatch.setattr(dist, "all_reduce", lambda t, op=None, async_op=False: None)  # one rank's values: the sum
+    agreement = StepAgreement(notice=PreemptionNotice(0, enabled=False), cadence=Cadence(), rank=0, world=2)
+    verdicts = {s: agreement.agree(torch.tensor(float(s)), s, now=False) for s in range(1, 6)}
+    assert [v.losses for v in verdicts.values()] == [(), ((1, 0.5),), ((2, 1.0),), ((3, 1.5), (4, 2.0)), ()]
+    assert [s for s, v in verdicts.items() if v.checkpoint_now] == [4]
+
+
 def test_run_history_counts_earlier_attempts_and_ignores_a_torn_line(tmp_path):
     assert run_history(str(tmp_path)) == (None, 0)
     (tmp_path / "attempts.jsonl").write_text('{"attempt": 0, "time": 100.5}\n{"attempt": 1, "time": 160.0}\n{"attem')

@@ -162,3 +162,78 @@ def test_auto_takes_the_ray_reader_only_where_data_nodes_are(ray_cluster, both):
 
     assert reader_for(tiny_cfg(both, "/tmp", "x")) == "direct"
     assert tiny_cfg(both, "/tmp", "x").data.reader == "auto"
+
+
+def _object_store_bytes() -> int:
+    """Bytes of the objects some process of the cluster holds a reference to, each counted once (`ray memory`'s
+    listing: objects no longer referenced, still in the store until the raylet's batched free, are not held)."""
+    import ray
+    from ray._private.grpc_utils import init_grpc_channel
+    from ray._private.internal_api import get_state_from_address
+    from ray.core.generated import node_manager_pb2, node_manager_pb2_grpc
+
+    sizes = {}
+    for node in get_state_from_address(ray.get_runtime_context().gcs_address).node_table():
+        if node["Alive"]:
+            stub = node_manager_pb2_grpc.NodeManagerServiceStub(
+                init_grpc_channel(f"{node['NodeManagerAddress']}:{node['NodeManagerPort']}"))
+            reply = stub.GetNodeStats(node_manager_pb2.GetNodeStatsRequest(include_memory_info=True), timeout=30)
+            for worker in reply.core_workers_stats:
+                sizes.update({o.object_id: o.object_size for o in worker.object_refs if o.object_size > 0})
+    return sum(sizes.values())
+
+
+@pytest.mark.parametrize("internals", ["", "stock"])
+def test_ingest_holds_its_bound_in_the_object_store_while_the_ranks_are_slow(ray_cluster, tmp_path, internals):
+    """24 units of 131 kB (in the object store, not inline): the ranks take nothing for a while, then one unit at a
+    time slowly. The bytes the run's ingest holds in the object store stay under the router's bound (queue_units
+    units per rank queued, twice as many in Ray Data, one in hand) plus one unit; each rank gets the rows of the
+    units it asks for. Both ways: the read tasks' blocks handed to the ranks (raytrain/internals), and with RAYTRAIN_INTERNALS=
+    stock, Ray Data's public rows through the router."""
+    import itertools
+    import time
+
+    import ray
+
+    from raytrain.data.ingest import IngestRouter, UnitFeed
+    from raytrain.data.manifest import Split
+    from raytrain.data.shards import write_shard
+
+    rng = np.random.default_rng(0)
+    uri = str(tmp_path / "split")
+    data = rng.integers(0, 300, (24, 128, 257)).astype(np.int32)
+    shards = [write_shard(uri, i, i * 128, data[i], ["parquet"])[0]["parquet"] for i in range(24)]
+    split = Split(uri, tuple(s["uri"] for s in shards), (128,) * 24, 256, 300, 0, "", "parquet")
+    plan = SamplePlan.for_split(split, 0, 8)
+    needs = {r: itertools.takewhile(lambda x: x[0] < plan.steps_per_epoch, rank_units(plan, lanes_of(8, r, 2), 0))
+             for r in (0, 1)}
+    want = {r: [(e, u) for _, e, u in needs[r]] for r in (0, 1)}
+    before = _object_store_bytes()
+    router = ray.remote(IngestRouter).options(
+        num_cpus=0, max_concurrency=8, runtime_env={"env_vars": {"RAYTRAIN_INTERNALS": internals}}).remote(
+        split.to_dict(), seed=0, global_batch=8, shuffle=True, world=2, start_step=0,
+        end_step=plan.steps_per_epoch, queue_units=2, resources={})
+    stats = ray.get(router.stats.remote())
+    assert stats["unit_bytes"] == 128 * 257 * 4
+    assert stats["bound_bytes"] == (3 * 2 * 2 + (3 if internals else 1)) * stats["unit_bytes"]
+    feeds = {r: UnitFeed(router, r, bound=2, poll_s=0.5) for r in (0, 1)}
+    got: dict[int, list] = {0: [], 1: []}
+    peak, t_end = 0, time.monotonic() + 60
+    while ray.get(router.stats.remote())["queued"] != [2, 2] and time.monotonic() < t_end:
+        time.sleep(0.1)  # nobody takes a unit: the pipeline runs until it is held back
+    for _ in range(20):
+        peak = max(peak, _object_store_bytes() - before)
+        time.sleep(0.05)
+    for i in range(max(map(len, want.values()))):  # then both ranks take, slowly, in the order they need
+        for r in (0, 1):
+            if i < len(want[r]):
+                rows, bad = feeds[r].future(want[r][i]).result(timeout=60)
+                assert bad == "" and np.array_equal(rows, data[want[r][i][1]])  # a unit is a whole shard here
+                got[r].append(want[r][i])
+                peak = max(peak, _object_store_bytes() - before)
+        time.sleep(0.05)
+    assert got == want and ray.get(router.stats.remote())["path"] == ("router" if internals else "blocks")
+    assert 0 < peak <= stats["bound_bytes"] + stats["unit_bytes"], (peak, stats)
+    for f in feeds.values():
+        f.close()
+    ray.kill(router)

@@ -36,6 +36,12 @@ AUTH_CONFIG = register(
     "ray.auth_config_reload", package="ray", written_for=V,
     gain="a token created by this process is used by its own ray.init (else 'Missing authentication token')",
     fallback="not reloaded: if Ray refuses the new token, run the command again")
+DATA_REF_BUNDLES = register(
+    "ray.data.ref_bundles", package="ray", written_for=V,
+    gain="data.reader=ray: each unit's rows go from the object store of the node that read them straight to the ranks "
+         "that need them; without it every byte of training data passes through the one ingest router's process "
+         "(fetched, decoded, put again), a bandwidth that does not grow with the cluster",
+    fallback="rows through the ingest router (Dataset.iter_rows, one ray.put per unit)")
 AUTH_CHECK = register(
     "ray.auth_token_check", package="ray", written_for=V,
     gain="the serving admin endpoints check Ray's own token the way Ray does",
@@ -100,6 +106,23 @@ def kv_del(key: str) -> None:
 def report_queue_empty(callback) -> bool:
     """Whether Tune's TuneReportCallback has handed every forwarded report to Tune."""
     return callback._training_actor_item_queue.empty()
+
+
+def output_blocks(ds):
+    """(block ref, first row, rows) of each of a Dataset's output blocks in order, no block fetched here (Ray Data's
+    RefBundle: its block refs, metadata and slices)."""
+    for bundle in ds.iter_internal_ref_bundles():
+        for ref, meta, part in zip(bundle.block_refs, bundle.metadata, bundle.slices):
+            lo, hi = (part.start_offset, part.end_offset) if part is not None else (0, meta.num_rows)
+            yield ref, lo, hi - lo
+
+
+def block_row(block, i: int) -> dict:
+    """Row i of a fetched Ray Data block as {column: Arrow scalar} (bytes columns stay zero-copy buffers)."""
+    from ray.data.block import BlockAccessor
+
+    table = BlockAccessor.for_block(block).to_arrow()
+    return {name: table.column(name)[i] for name in table.column_names}
 
 
 def reload_auth_config() -> None:

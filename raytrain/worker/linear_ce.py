@@ -53,7 +53,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if g_hidden is not None:
                 g_hidden[s:s + chunk] = g_low @ weight
             if g_weight is not None:
-                g_weight.addmm_(g_low.t().float(), h.float())
+                # In the activations' precision on the matrix units (fp32 accumulation inside), summed in fp32:
+                # an fp32 product here would be the head's largest multiply off the bf16 units.
+                g_weight.add_(g_low.t() @ h)
             if g_bias is not None:
                 g_bias += g.sum(0)
         ctx.save_for_backward(g_hidden, g_weight, g_bias)

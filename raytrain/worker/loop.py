@@ -232,7 +232,6 @@ class WorkerRun:
         self._log_downstream(self.downstream.poll(self.writer.committed))
         if verdict.preempted:
             self.state.preemptions += 1  # survived once its checkpoint commits; the checkpoint carries the count
-            self.agreement.drop()  # the run leaves at this step's checkpoint
         do_log, do_eval, counted = self._due(step)
         do_ckpt = verdict.checkpoint_now or counted or verdict.preempted is not None
         rec: dict = {"step": step}

@@ -10,7 +10,7 @@ or checkpoint step, the last step), its all-reduce is launched and its result co
 the step's kernels, and read at the next step, by when it has long landed. The host waits for nothing, so it
 queues the next step's kernels while the accelerator still runs this one. The loss is then judged, and the
 flags acted on, one step later: a rollback comes a step later (and discards that step too), a preemption's
-checkpoint is the next step's.
+checkpoint is the next step's, and a step that checkpoints reads its own loss before it saves.
 """
 
 from __future__ import annotations
@@ -98,17 +98,22 @@ class StepAgreement:
             take(self.pending)
             self.pending = None
         deciding = self.snapshots is not None and self.snapshots.deciding(step)
-        v = torch.stack([loss.detach().to(self.device, torch.float64).reshape(()),
-                         torch.tensor(float(content), dtype=torch.float64, device=self.device)])
+        values = [float(content)]
         if self._carry(deciding):
             sig, drain = self.notice.flags(step)
             # (a vote read just now checkpoints this step: no second vote for the same checkpoint)
             want = self.cadence.agreed and self.rank == 0 and self.cadence.due(step) and not want_now
-            proposal = self.snapshots.proposal() if deciding else 0.0
-            v = torch.cat([v, torch.tensor([float(sig), float(drain), float(want), proposal], dtype=v.dtype,
-                                           device=v.device)])
+            values += [float(sig), float(drain), float(want), self.snapshots.proposal() if deciding else 0.0]
+        # Host values enter by fill kernels (their arguments), not by a copy from pageable memory, which on CUDA
+        # would wait for every kernel queued so far.
+        v = torch.empty(1 + len(values), dtype=torch.float64, device=self.device)
+        v[0].copy_(loss.detach().reshape(()))
+        for i, x in enumerate(values, 1):
+            v[i].fill_(x)
         reduction = _Reduction(v, step, self.world, deciding)
-        if now:
+        # A step that checkpoints (a vote or a notice read late says so) reads its own loss first: no checkpoint is
+        # of weights whose loss nobody judged (a rollback to it would restore the bad step).
+        if now or self.notice.pending is not None or (want_now if self.cadence.agreed else self.cadence.due(step)):
             take(reduction)
         else:
             self.pending = reduction
