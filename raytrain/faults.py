@@ -12,7 +12,8 @@
                                         raytrain's code to path (worker/host_reads.py)
 Signals: any signal name (SIGTERM goes through the worker's real handler: a preemption checkpoint;
 SIGKILL dies on the spot), "STALL" with "seconds" (the rank hangs), "REMOVE_NODE" / "DRAIN_NODE" (carried
-out on this worker's node by scripts/chaos.py). A marker file per event makes each fire once, so the
+out on this worker's node by scripts/chaos.py), "REMOVE_DATA_NODE" (the cluster's CPU-only data node, by
+scripts/chaos.py). A marker file per event makes each fire once, so the
 restarted worker trains on past that step.
 """
 
@@ -85,6 +86,10 @@ class Faults:
 
 
 def _fire(sig: str, event: dict, fired: str) -> None:
+    if sig == "REMOVE_DATA_NODE":  # the chaos harness kills the cluster's data node; this rank trains on
+        with open(fired + ".request", "w") as f:
+            json.dump({"action": sig}, f)
+        return
     if sig in ("REMOVE_NODE", "DRAIN_NODE"):
         # Node-level events are carried out by the chaos harness on this worker's node; a removed node
         # takes this process with it.

@@ -87,11 +87,11 @@ def _mixture(cfg: Config, log: Callable) -> tuple[Optional[dict], Optional[dict]
 
 def reader_for(cfg: Config) -> str:
     """data.reader=auto: the Ray Data pipeline where CPU-only data nodes take its work, else the direct reader."""
-    import ray
+    from raytrain.data.ingest import has_data_nodes
 
     if sources.is_mixture(cfg.data):
         return "direct"  # (the ray reader takes one source)
-    return "ray" if ray.cluster_resources().get("data") else "direct"
+    return "ray" if has_data_nodes() else "direct"
 
 
 def init_ray(cfg: Config, command: str = "train") -> bool:
@@ -151,17 +151,24 @@ def check_cluster(cfg: Config, local: bool) -> None:
     ever add them), a warning on a real cluster (its autoscaler may)."""
     import ray
 
+    from raytrain.data.ingest import has_data_nodes
+
     res = ray.cluster_resources()
     s = cfg.scaling
     wanted = {"GPU": s.num_workers * s.gpus_per_worker} if s.use_gpu else {}
     wanted.update({k: v * s.num_workers for k, v in s.resources_per_worker.items()})
+    if cfg.data.reader == "ray" and not has_data_nodes() and cfg.data.ingest_resources is None:
+        # the read tasks share the workers' nodes: one CPU beyond the workers' or none ever runs
+        wanted["CPU"] = s.num_workers * s.cpus_per_worker + 1
     for name, amount in wanted.items():
         if res.get(name, 0) < amount:
-            msg = (f"the run needs {amount:g} {name} ({s.num_workers} workers) but the cluster has "
+            msg = (f"the run needs {amount:g} {name} ({s.num_workers} workers"
+                   f"{', and data.reader=ray its read tasks' if name == 'CPU' else ''}) but the cluster has "
                    f"{res.get(name, 0):g}")
             if local:
                 raise UserError(msg + ("; set scaling.use_gpu=false or run on a GPU machine" if name == "GPU" else
-                                       "; remove it from scaling.resources_per_worker or use a cluster that has it"))
+                                       "; lower scaling.cpus_per_worker or set data.reader=direct" if name == "CPU"
+                                       else "; remove it from scaling.resources_per_worker or use a cluster that has it"))
             print(f"[raytrain] warning: {msg}; waiting for the autoscaler", flush=True)
     if len([n for n in ray.nodes() if n.get("Alive")]) > 1 and not storage.is_remote(cfg.checkpoint.storage):
         print(f"[raytrain] warning: checkpoint.storage={cfg.checkpoint.storage} is a local path on a multi-node "
@@ -232,9 +239,9 @@ def train(cfg: Config, log: Callable[[str], None] = print, inject: Optional[dict
     cfg = apply_init_from(cfg, train_split.tokenizer_uri, log)  # fine-tuning: shape from the model dir
     storage.check_writable(cfg.run_uri)
     local = init_ray(cfg)
-    check_cluster(cfg, local)
     if cfg.data.reader == "auto":
         cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"reader": reader_for(cfg)})})
+    check_cluster(cfg, local)
     if cfg.batch.micro_batch_size == "auto":  # the largest that fits a worker (raytrain/micro_batch.py)
         cfg = micro_batch.resolve(cfg, vocab=cfg.model.vocab_size or train_split.vocab_size,
                                   memory_mb=micro_batch.worker_memory_mb(cfg), log=log)

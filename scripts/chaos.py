@@ -57,6 +57,7 @@ class Harness:
     def __init__(self, drain_deadline_s: float):
         self.deadline_s = drain_deadline_s
         self.nodes: dict[int, subprocess.Popen] = {}
+        self.data_nodes: list[subprocess.Popen] = []
         self.log: list[dict] = []
         self.done: set[str] = set()
         self._stop = threading.Event()
@@ -92,6 +93,15 @@ class Harness:
         _wait(lambda: sum(n["Alive"] for n in ray.nodes()) > alive, 180, f"worker node {k} did not join")
         return k
 
+    def add_data_node(self) -> None:
+        """A CPU-only data node (the `data` resource: data.reader=ray's read tasks run there and only there)."""
+        import ray
+
+        alive = sum(n["Alive"] for n in ray.nodes())
+        self.data_nodes.append(self._start([f"--address={self.address}", "--num-cpus=1",
+                                            f"--resources={json.dumps({'data': 1000})}"]))
+        _wait(lambda: sum(n["Alive"] for n in ray.nodes()) > alive, 180, "the data node did not join")
+
     def _node_index(self, node_id: str) -> int:
         import ray
 
@@ -102,10 +112,14 @@ class Harness:
 
     def kill_node(self, k: int) -> None:
         """The node disappears at once: raylet and every process on it."""
+        self._kill(self.nodes[k])
+
+    @staticmethod
+    def _kill(node: subprocess.Popen) -> None:
         import signal
 
         try:
-            os.killpg(self.nodes[k].pid, signal.SIGKILL)
+            os.killpg(node.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
 
@@ -116,8 +130,15 @@ class Harness:
                     continue
                 self.done.add(req)
                 ev = json.load(open(req))
-                k = self._node_index(ev["node_id"])
                 t = time.time()
+                if ev["action"] == "REMOVE_DATA_NODE":
+                    # Lost without notice, its read tasks' outputs with it; the replacement an autoscaler would bring
+                    # comes once it is gone (until then the pipeline has nowhere to run).
+                    self._kill(self.data_nodes[-1])
+                    self.add_data_node()
+                    self.log.append({"action": ev["action"], "time": t})
+                    continue
+                k = self._node_index(ev["node_id"])
                 if ev["action"] == "REMOVE_NODE":
                     self.add_node()  # the replacement an autoscaler would bring
                     self.kill_node(k)
@@ -149,6 +170,8 @@ class Harness:
         self._stop.set()
         for k in list(self.nodes):
             self.kill_node(k)
+        for node in self.data_nodes:
+            self._kill(node)
         if getattr(self, "head", None) is not None:
             try:
                 os.killpg(self.head.pid, signal.SIGKILL)
@@ -193,6 +216,8 @@ def main(argv=None) -> int:
     ap.add_argument("--kills", type=int, default=3, help="SIGKILLs of worker processes at random steps")
     ap.add_argument("--remove-node-at", type=int, default=0, help="remove a worker's node at this step")
     ap.add_argument("--drain-at", type=int, default=0, help="drain a worker's node for preemption at this step")
+    ap.add_argument("--remove-data-node-at", type=int, default=0,
+                    help="add a CPU-only data node (data.reader=ray reads there) and remove it at this step")
     ap.add_argument("--drain-deadline", type=float, default=20.0, help="seconds from the drain to the node's end")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--baseline", action="store_true", help="also run without faults and compare")
@@ -217,13 +242,15 @@ def main(argv=None) -> int:
     harness = Harness(args.drain_deadline)
     marker = os.path.join(tempfile.mkdtemp(prefix="raytrain-chaos-"), "event")
     rng = random.Random(args.seed)
-    busy = {args.remove_node_at, args.drain_at}
+    busy = {args.remove_node_at, args.drain_at, args.remove_data_node_at}
     kill_steps = sorted(rng.sample([s for s in range(2, args.steps) if s not in busy], args.kills))
     events = [{"step": s, "rank": rng.randrange(2), "signal": "SIGKILL"} for s in kill_steps]
     if args.remove_node_at:
         events.append({"step": args.remove_node_at, "rank": 1, "signal": "REMOVE_NODE"})
     if args.drain_at:
         events.append({"step": args.drain_at, "rank": 1, "signal": "DRAIN_NODE"})
+    if args.remove_data_node_at:
+        events.append({"step": args.remove_data_node_at, "rank": 0, "signal": "REMOVE_DATA_NODE"})
     events.sort(key=lambda e: e["step"])
     result: dict = {"events": events}
     try:
@@ -231,21 +258,26 @@ def main(argv=None) -> int:
         ray.init(address=harness.address, log_to_driver=True)
         for _ in range(2):
             harness.add_node()
+        if args.remove_data_node_at:
+            harness.add_data_node()
         harness.watch(marker)
         if args.baseline:
             cfg = _cfg(args, args.name + "-baseline", [])
             t = time.time()
             train(cfg, log=lambda *_: None)
             result["baseline_wall_s"] = time.time() - t
-            result["baseline"] = {s: {"loss": r["loss"], "crc": r.get("batch_crc32")} for s, r in _records(cfg.run_uri).items()}
+            result["baseline"] = {s: {"loss": r["loss"], "crc": (r.get("batch_crc32"), r.get("content_checksum"))}
+                                  for s, r in _records(cfg.run_uri).items()}
         cfg = _cfg(args, args.name, [])
         t = time.time()
         summary = train(cfg, log=lambda *_: None, inject={"events": events, "marker": marker})
         result["chaos_wall_s"] = time.time() - t
         recs = _records(cfg.run_uri)
-        result["chaos"] = {s: {"loss": r["loss"], "crc": r.get("batch_crc32")} for s, r in recs.items()}
+        result["chaos"] = {s: {"loss": r["loss"], "crc": (r.get("batch_crc32"), r.get("content_checksum"))}
+                           for s, r in recs.items()}
         result["summary"] = summary
         result["recovery"] = _recovery(cfg.run_uri, events, marker)
+        result["harness"] = harness.log
     finally:
         ray.shutdown()
         harness.down()
@@ -279,7 +311,7 @@ def _recovery(run_uri: str, events: list[dict], marker: str) -> list[dict]:
     out = []
     for i, e in enumerate(events):
         fired = f"{marker}.{i}"
-        if not os.path.exists(fired):
+        if not os.path.exists(fired) or e["signal"] == "REMOVE_DATA_NODE":  # (no worker of the run is lost)
             continue
         t = float(open(fired).read() or 0)
         after = [h for h in hist if h["time"] > t]

@@ -89,7 +89,18 @@ def start_moto(log_path: Optional[str] = None, record_path: Optional[str] = None
 def s3_requests(record_path: str, t0: float, t1: float) -> list[str]:
     """The requests a recording moto server (start_moto(record_path=...)) received between t0 and t1 (unix times)."""
     with open(record_path) as f:
-        return [line.strip() for line in f if t0 < float(line.split(" ", 1)[0]) < t1]
+        return [line.strip() for line in f if t0 < float(line.split(" ", 1)[0]) < t1 and " SENT " not in line]
+
+
+def s3_bytes_sent(record_path: str, t0: float, t1: float, prefix: str) -> dict[str, int]:
+    """{path: response body bytes} the recording moto server sent between t0 and t1 for paths under prefix."""
+    out: dict[str, int] = {}
+    with open(record_path) as f:
+        for line in f:
+            t, kind, *rest = line.split()
+            if kind == "SENT" and t0 < float(t) < t1 and rest[1].startswith(prefix):
+                out[rest[1]] = out.get(rest[1], 0) + int(rest[0])
+    return out
 
 
 def ensure_prometheus() -> tuple[str, str]:

@@ -1,9 +1,10 @@
-"""moto's S3 server (as `moto_server` runs it) that also records each request's arrival: `time method path` lines.
+"""moto's S3 server (as `moto_server` runs it) that also records each request's arrival: `time method path` lines,
+and for each response with a body, once it is sent: `time SENT bytes path`.
 
     python tests/moto_recorded.py HOST PORT RECORD_FILE
 
 Tests count the requests in a window of time (none between a fault and the first resumed step, when host
-memory serves the restore): counted at the server, whoever sent them.
+memory serves the restore), or the bytes served under a prefix: counted at the server, whoever sent them.
 """
 
 import sys
@@ -21,9 +22,20 @@ def main() -> None:
     lock = threading.Lock()
 
     def recorded(environ, start_response):
+        path = environ.get("PATH_INFO", "")
         with lock:
-            out.write(f"{time.time():.3f} {environ['REQUEST_METHOD']} {environ.get('PATH_INFO', '')}\n")
-        return app(environ, start_response)
+            out.write(f"{time.time():.3f} {environ['REQUEST_METHOD']} {path}\n")
+        sent, body = 0, app(environ, start_response)
+        try:
+            for chunk in body:
+                sent += len(chunk)
+                yield chunk
+        finally:
+            if hasattr(body, "close"):
+                body.close()
+        if sent:
+            with lock:
+                out.write(f"{time.time():.3f} SENT {sent} {path}\n")
 
     run_simple(host, port, recorded, threaded=True, request_handler=MotoRequestHandler)
 

@@ -1,6 +1,8 @@
 """data.reader=ray (raytrain/data/ingest.py): Ray Data reads the units the sample plan names and the ranks get them by
-key: the same batches, losses and content checksums as the direct reader, through a SIGKILL and a 2 -> 1 -> 2
-resize, Parquet and WebDataset; the training workers read nothing from storage."""
+key: the same batches, losses and content checksums as the direct reader at 2 and 4 workers, through a 2 -> 1 -> 2
+resize, Parquet and WebDataset, with a transform; the training workers read nothing from storage; the pipeline reads
+each unit once (counted at the S3 server) and holds a bounded number of bytes in the object store. A SIGKILL, a lost
+node, a drain and a lost data node with this reader: tests/test_chaos.py."""
 
 from __future__ import annotations
 
@@ -81,20 +83,6 @@ def test_the_ray_reader_takes_no_mixture_yet():
 
 
 @pytest.mark.slow
-def test_ray_reader_gives_the_direct_readers_batches_through_a_kill(ray_cluster, both, tmp_path, direct):
-    """Parquet, 2 workers, rank 1 SIGKILLed after step 6: every step's batch, loss and content checksum as the direct
-    reader's; the workers fetched no byte from storage (Ray Data's tasks did)."""
-    from raytrain.trainer import train
-
-    cfg = tiny_cfg(both, tmp_path, "ray-kill", "data.reader=ray", "run.max_steps=12", "checkpoint.every_n_steps=4",
-                   "run.max_failures=1")
-    summary = train(cfg, log=lambda *_: None, inject={"crash_at_step": 6, "marker": str(tmp_path / "m"), "rank": 1})
-    assert summary["restarts"] == 1
-    _same_batches(_steps(cfg.run_uri), direct)
-    assert summary["data_bytes_fetched_per_worker"] == 0 and summary["data_rows_read_per_worker"] > 0
-
-
-@pytest.mark.slow
 def test_ray_reader_on_webdataset_through_a_2_1_2_resize(ray_cluster, both, tmp_path, direct):
     """WebDataset shards, 2 workers -> 1 -> 2 with a crash after each checkpoint: the direct Parquet run's batches
     in every step, its losses from the first resume on."""
@@ -126,8 +114,8 @@ def fim_data(corpus_dir, tmp_path_factory):
 
 @pytest.mark.slow
 def test_a_transform_gives_the_same_rows_with_either_reader_and_fim_trains(ray_cluster, fim_data, tmp_path):
-    """data.transform=fim on 2 workers: the ray reader (the transform in its Ray Data tasks) and the direct reader
-    (in the workers' read threads) train on the same bytes, step by step; the loss falls."""
+    """data.transform=fim on 4 workers: the ray reader (the transform in its Ray Data tasks) and the direct reader
+    (in the workers' read threads) train on the same bytes, step by step, to the same losses; the loss falls."""
     from raytrain.data import content_checksum
     from raytrain.data.reader import read_unit
     from raytrain.data.sample_plan import units_of
@@ -137,7 +125,9 @@ def test_a_transform_gives_the_same_rows_with_either_reader_and_fim_trains(ray_c
     runs = {}
     for reader in ("direct", "ray"):
         cfg = tiny_cfg(fim_data, tmp_path, f"fim-{reader}", f"data.reader={reader}", "data.transform=fim",
-                       "data.transform_args={rate: 0.5}", "run.max_steps=10", "data.val=null")
+                       "data.transform_args={rate: 0.5}", "run.max_steps=10", "data.val=null",
+                       "scaling.num_workers=4", "scaling.cpus_per_worker=0.5",  # CPUs left for the read tasks
+                       "batch.micro_batch_size=2")  # the global batch of 8 the plan below is read with
         train(cfg, log=lambda *_: None)
         runs[reader] = _steps(cfg.run_uri)
     assert {s: (r["content_checksum"], r["loss"]) for s, r in runs["ray"].items()} == \
@@ -154,6 +144,18 @@ def test_a_transform_gives_the_same_rows_with_either_reader_and_fim_trains(ray_c
     fimmed = np.stack([t(read_unit(split, units[u], dtype=np.int32), epoch=0, unit=int(u), split=split)[r]
                        for u, r in zip(first.units, first.rows)])
     assert runs["ray"][1]["content_checksum"] == content_checksum.of_batch(fimmed) != content_checksum.of_batch(raw)
+
+
+def test_the_ray_reader_without_a_cpu_for_its_read_tasks_is_refused(ray_cluster, both):
+    """4 workers of 1 CPU on this 4-CPU cluster, no data nodes: the read tasks would never run. On a local instance
+    (nothing will add CPUs) one line saying what to change; 0.5 CPU per worker leaves them room."""
+    from raytrain.trainer import check_cluster
+
+    with pytest.raises(UserError, match=r"needs 5 CPU \(4 workers, and data.reader=ray its read tasks\).*"
+                                        r"lower scaling.cpus_per_worker or set data.reader=direct"):
+        check_cluster(tiny_cfg(both, "/tmp", "x", "data.reader=ray", "scaling.num_workers=4"), local=True)
+    check_cluster(tiny_cfg(both, "/tmp", "x", "data.reader=ray", "scaling.num_workers=4",
+                           "scaling.cpus_per_worker=0.5"), local=True)
 
 
 def test_auto_takes_the_ray_reader_only_where_data_nodes_are(ray_cluster, both):
@@ -183,13 +185,14 @@ def _object_store_bytes() -> int:
     return sum(sizes.values())
 
 
-@pytest.mark.parametrize("internals", ["", "stock"])
-def test_ingest_holds_its_bound_in_the_object_store_while_the_ranks_are_slow(ray_cluster, tmp_path, internals):
-    """24 units of 131 kB (in the object store, not inline): the ranks take nothing for a while, then one unit at a
-    time slowly. The bytes the run's ingest holds in the object store stay under the router's bound (queue_units
-    units per rank queued, twice as many in Ray Data, one in hand) plus one unit; each rank gets the rows of the
-    units it asks for. Both ways: the read tasks' blocks handed to the ranks (raytrain/internals), and with RAYTRAIN_INTERNALS=
-    stock, Ray Data's public rows through the router."""
+@pytest.mark.parametrize("world,internals", [(1, ""), (2, "stock"), (4, "")])
+def test_ingest_reads_once_and_holds_its_bound_while_the_ranks_are_slow(ray_cluster, s3_server, world, internals):
+    """24 units of 131 kB on the S3 server (in the object store, not inline), 1, 2 and 4 ranks: the ranks take
+    nothing for a while, then one unit at a time slowly. Each rank gets the rows of the units it asks for; the S3
+    server sent each shard's bytes once (bytes, counted at the server); the bytes the ingest holds in the object
+    store stay under the router's bound (queue_units units per rank queued, twice as many in Ray Data, one in hand)
+    plus one unit. Both ways: the read tasks' blocks handed to the ranks (raytrain/internals), and with
+    RAYTRAIN_INTERNALS=stock, Ray Data's public rows through the router."""
     import itertools
     import time
 
@@ -198,42 +201,50 @@ def test_ingest_holds_its_bound_in_the_object_store_while_the_ranks_are_slow(ray
     from raytrain.data.ingest import IngestRouter, UnitFeed
     from raytrain.data.manifest import Split
     from raytrain.data.shards import write_shard
+    from tests.helpers import S3_RECORD, s3_bytes_sent
 
-    rng = np.random.default_rng(0)
-    uri = str(tmp_path / "split")
+    rng = np.random.default_rng(world)
+    uri = f"s3://raytrain-test/ingest-bound-{world}/train"
     data = rng.integers(0, 300, (24, 128, 257)).astype(np.int32)
     shards = [write_shard(uri, i, i * 128, data[i], ["parquet"])[0]["parquet"] for i in range(24)]
     split = Split(uri, tuple(s["uri"] for s in shards), (128,) * 24, 256, 300, 0, "", "parquet")
-    plan = SamplePlan.for_split(split, 0, 8)
-    needs = {r: itertools.takewhile(lambda x: x[0] < plan.steps_per_epoch, rank_units(plan, lanes_of(8, r, 2), 0))
-             for r in (0, 1)}
-    want = {r: [(e, u) for _, e, u in needs[r]] for r in (0, 1)}
-    before = _object_store_bytes()
+    gb = 8  # a step needs at most 8 units at once: within what the queues and Ray Data hold
+    plan = SamplePlan.for_split(split, 0, gb)
+    needs = {r: list(itertools.takewhile(lambda x: x[0] < plan.steps_per_epoch,
+                                         rank_units(plan, lanes_of(gb, r, world), 0))) for r in range(world)}
+    want = {r: [(e, u) for _, e, u in needs[r]] for r in range(world)}
+    before, t0 = _object_store_bytes(), time.time()
     router = ray.remote(IngestRouter).options(
-        num_cpus=0, max_concurrency=8, runtime_env={"env_vars": {"RAYTRAIN_INTERNALS": internals}}).remote(
-        split.to_dict(), seed=0, global_batch=8, shuffle=True, world=2, start_step=0,
+        num_cpus=0, max_concurrency=world + 8, runtime_env={"env_vars": {"RAYTRAIN_INTERNALS": internals}}).remote(
+        split.to_dict(), seed=0, global_batch=gb, shuffle=True, world=world, start_step=0,
         end_step=plan.steps_per_epoch, queue_units=2, resources={})
     stats = ray.get(router.stats.remote())
     assert stats["unit_bytes"] == 128 * 257 * 4
-    assert stats["bound_bytes"] == (3 * 2 * 2 + (3 if internals else 1)) * stats["unit_bytes"]
-    feeds = {r: UnitFeed(router, r, bound=2, poll_s=0.5) for r in (0, 1)}
-    got: dict[int, list] = {0: [], 1: []}
+    assert stats["bound_bytes"] == (3 * 2 * world + (3 if internals else 1)) * stats["unit_bytes"]
+    feeds = {r: UnitFeed(router, r, bound=2, poll_s=0.5) for r in range(world)}
+    got: dict[int, list] = {r: [] for r in range(world)}
     peak, t_end = 0, time.monotonic() + 60
-    while ray.get(router.stats.remote())["queued"] != [2, 2] and time.monotonic() < t_end:
+    while ray.get(router.stats.remote())["queued"] != [2] * world and time.monotonic() < t_end:
         time.sleep(0.1)  # nobody takes a unit: the pipeline runs until it is held back
     for _ in range(20):
         peak = max(peak, _object_store_bytes() - before)
         time.sleep(0.05)
-    for i in range(max(map(len, want.values()))):  # then both ranks take, slowly, in the order they need
-        for r in (0, 1):
-            if i < len(want[r]):
-                rows, bad = feeds[r].future(want[r][i]).result(timeout=60)
-                assert bad == "" and np.array_equal(rows, data[want[r][i][1]])  # a unit is a whole shard here
-                got[r].append(want[r][i])
-                peak = max(peak, _object_store_bytes() - before)
-        time.sleep(0.05)
-    assert got == want and ray.get(router.stats.remote())["path"] == ("router" if internals else "blocks")
+    # Then the ranks take, slowly, step by step as training does: each rank's reader asks for every unit first
+    # needed at a step (one per lane at most), then waits for them.
+    for step in sorted({s for n in needs.values() for s, _, _ in n}):
+        asked = [(r, (e, u), feeds[r].future((e, u))) for r in range(world) for s, e, u in needs[r] if s == step]
+        for r, (e, u), fut in asked:
+            rows, bad = fut.result(timeout=60)
+            assert bad == "" and np.array_equal(rows, data[u])  # a unit is a whole shard here
+            got[r].append((e, u))
+            peak = max(peak, _object_store_bytes() - before)
+        time.sleep(0.2)  # slowed: objects released a moment ago are still counted (Ray frees them asynchronously)
+    assert {r: sorted(g) for r, g in got.items()} == {r: sorted(w) for r, w in want.items()}
+    assert ray.get(router.stats.remote())["path"] == ("router" if internals else "blocks")
     assert 0 < peak <= stats["bound_bytes"] + stats["unit_bytes"], (peak, stats)
+    sent = s3_bytes_sent(S3_RECORD, t0, time.time() + 1, f"/raytrain-test/ingest-bound-{world}/train/shard-")
+    assert sorted(sent) == sorted(f"/raytrain-test/ingest-bound-{world}/train/{s['path']}" for s in shards)
+    assert sum(sent.values()) <= 1.1 * sum(s["bytes"] for s in shards), (sent, shards)
     for f in feeds.values():
         f.close()
     ray.kill(router)

@@ -302,14 +302,19 @@ class UnitFeed:
             self.cv.notify_all()
 
 
+def has_data_nodes() -> bool:
+    """Whether the cluster has CPU-only data nodes (the `data` resource) to take data.reader=ray's read tasks."""
+    import ray
+
+    return bool(ray.cluster_resources().get("data"))
+
+
 def task_resources(data_cfg) -> dict:
     """What each read task asks for besides 1 CPU: data.ingest_resources, or where data nodes exist, a sliver of
     their `data` resource (so the tasks run there and only there)."""
-    import ray
-
     if data_cfg.ingest_resources is not None:
         return dict(data_cfg.ingest_resources)
-    return {"data": 0.001} if ray.cluster_resources().get("data") else {}
+    return {"data": 0.001} if has_data_nodes() else {}
 
 
 def start(split: Split, *, seed: int, global_batch: int, rank: int, world: int, start_step: int, end_step: int,

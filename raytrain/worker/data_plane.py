@@ -43,19 +43,18 @@ class DataPlane:
             self.plan = SamplePlan.for_split(split, seed, global_batch, data_cfg.shuffle)
             self.lanes = self.plan.lanes_of(rank, size)
             transform = Transform(data_cfg.transform, data_cfg.transform_args, seed) if data_cfg.transform else None
-            self.router, feed = self._ingest(data_cfg, split=split, seed=seed, rank=rank, size=size,
-                                             start=position // global_batch, end=opts["end_step"], transform=transform)
-            self.reader = PlannedReader(split, self.plan, self.lanes, position // global_batch, feed=feed,
+            if data_cfg.reader == "ray":
+                self._ingest(data_cfg, split=split, seed=seed, rank=rank, size=size, start=position // global_batch,
+                             end=opts["end_step"], transform=transform)
+            self.reader = PlannedReader(split, self.plan, self.lanes, position // global_batch, feed=self.feed,
                                         transform=transform, **opts)
         self._step = None
         self.content = 0
 
-    def _ingest(self, data_cfg, *, split: Split, seed: int, rank: int, size: int, start: int, end: int, transform):
+    def _ingest(self, data_cfg, *, split: Split, seed: int, rank: int, size: int, start: int, end: int,
+                transform) -> None:
         """data.reader=ray: this attempt's ingest router (rank 0 starts it; its name reaches the other ranks on one
-        broadcast) and this rank's feed from it (raytrain/data/ingest.py). (None, None) for the direct reader."""
-        self.router = self.feed = None
-        if data_cfg.reader != "ray":
-            return None, None
+        broadcast) and this rank's feed from it (raytrain/data/ingest.py)."""
         import uuid
 
         from raytrain.data import ingest
@@ -63,11 +62,11 @@ class DataPlane:
         name = [f"raytrain-ingest-{uuid.uuid4().hex}" if rank == 0 else None]
         if size > 1:
             dist.broadcast_object_list(name, src=0, device=self.device if self.device.type == "cuda" else None)
-        router = ingest.start(split, seed=seed, global_batch=self.global_batch, rank=rank, world=size,
-                              start_step=start, end_step=end, data_cfg=data_cfg, name=name[0], transform=transform)
+        self.router = ingest.start(split, seed=seed, global_batch=self.global_batch, rank=rank, world=size,
+                                   start_step=start, end_step=end, data_cfg=data_cfg, name=name[0],
+                                   transform=transform)
         self._rank = rank
-        self.feed = ingest.UnitFeed(router, rank, bound=data_cfg.ingest_queue_units)
-        return router, self.feed
+        self.feed = ingest.UnitFeed(self.router, rank, bound=data_cfg.ingest_queue_units)
 
     def epoch(self, position: int) -> int:
         """Whole passes over the training data at data position `position` (a mixture: over all its sources'
@@ -98,8 +97,8 @@ class DataPlane:
     def run_until(self, position: int, steps_left: int) -> None:
         """The run needs `steps_left` more batches from data position `position` (after a rollback: more)."""
         end = position // self.global_batch + steps_left
-        if self.router is not None:
-            self.router.extend.remote(end)  # every rank asks the same: the router keeps the furthest
+        if self.router is not None and self._rank == 0:  # every rank has the same end: one asks
+            self.router.extend.remote(end)
         self.reader.extend_to(end)
 
     def fingerprint(self) -> int:
