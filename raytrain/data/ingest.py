@@ -156,7 +156,8 @@ class IngestRouter:
                       "start": u.start, "rows": u.rows} for it in items for u in [self.plan.units[it["unit"]]]]
         return ray.data.from_items(addressed, override_num_blocks=len(items)).map(
             read_item, fn_kwargs={"header": header, "transform": self.transform},
-            num_cpus=1, concurrency=ahead, resources=self.resources or None)
+            # (a cap above the items count makes Ray Data warn on the console)
+            num_cpus=1, concurrency=min(ahead, len(items)), resources=self.resources or None)
 
     def _outputs(self, items: list[dict]):
         """(item, reference, row in the referenced block or None for a (rows, bad) object) for every item in order."""
