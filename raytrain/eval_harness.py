@@ -7,9 +7,7 @@ checkpoint is first exported to a plain Hugging Face directory (raytrain.export)
 
 from __future__ import annotations
 
-import difflib
 import json
-import os
 import tempfile
 import time
 from typing import Callable, Optional
@@ -18,50 +16,7 @@ from raytrain import storage
 from raytrain.errors import UserError
 from raytrain.rundir import EVAL, RunDir
 
-INSTALL = "pip install 'raytrain[eval]'"
-
-
-def harness():
-    """The lm_eval module, or one line saying how to install it."""
-    try:
-        import lm_eval
-    except ImportError:
-        raise UserError(f"downstream evaluation needs the lm-evaluation-harness: {INSTALL}") from None
-    return lm_eval
-
-
-def _offline() -> None:
-    # Task data comes from local files (include_path) or the HF cache; never a download from inside a run.
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-
-
-def task_manager(include_path: Optional[str], tasks: list[str]):
-    """The harness's TaskManager; the user's task directory alone when it holds every task asked for (indexing the
-    harness's ~15k built-in tasks takes seconds)."""
-    harness()
-    from lm_eval.tasks import TaskManager
-
-    if include_path is not None:
-        if not os.path.isdir(include_path):
-            raise UserError(f"eval.include_path {include_path} is not a directory of task YAMLs; "
-                            "point it at the folder that holds your task files")
-        own = TaskManager(include_path=include_path, include_defaults=False)
-        if all(t in own.all_tasks for t in tasks):
-            return own
-    return TaskManager(include_path=include_path)
-
-
-def check_tasks(tasks: list[str], include_path: Optional[str]) -> None:
-    """Every task name known to the harness (or the user's include_path), else one line with the near matches."""
-    if not tasks:
-        return
-    known = task_manager(include_path, tasks).all_tasks
-    for t in tasks:
-        if t not in known:
-            near = difflib.get_close_matches(t, known, n=5, cutoff=0.6)
-            raise UserError(f"unknown evaluation task {t!r}" + (f"; did you mean {', '.join(near)}?" if near else
-                            "; `lm-eval ls tasks` lists the harness's tasks, eval.include_path adds your own"))
+from raytrain.eval_tasks import INSTALL, check_tasks, harness, offline, task_manager  # noqa: F401 - where callers find them
 
 
 def metric_values(task_result: dict) -> dict[str, float]:
@@ -80,7 +35,7 @@ def run_harness(model_dir: str, *, tasks: list[str], limit: Optional[int], num_f
                 include_path: Optional[str], batch_size: int, device: str) -> dict:
     """The harness's `simple_evaluate` on a Hugging Face model directory: {task: {metric: value}} plus its samples
     counts and version. The arguments are the CLI's for `--model hf --model_args pretrained=<dir>`."""
-    _offline()
+    offline()
     lm_eval = harness()
     res = lm_eval.simple_evaluate(model="hf", model_args={"pretrained": model_dir}, tasks=list(tasks),
                                   num_fewshot=num_fewshot, limit=limit, batch_size=batch_size, device=device,

@@ -18,7 +18,8 @@ from typing import Callable, Optional
 import torch
 import yaml
 
-from raytrain import storage
+from raytrain import lineage, storage
+from raytrain.audit import run_event
 from raytrain.rundir import METRICS, SUMMARY, RunDir
 from raytrain.ckpt import catalog
 from raytrain.ckpt.layout import CONFIG, ENGINE_TAG, timestamp
@@ -207,15 +208,19 @@ def export(ckpt_uri: str, out_uri: str, tokenizer: Optional[str] = None, force: 
                         f"({RunDir(run_uri).uri(SUMMARY)})")
     with tempfile.TemporaryDirectory(prefix="raytrain-export-") as d:
         write_model_dir(ck, ck.model, d, params=n_params)
+        lin = lineage.build(ck.uri, tokenizer)  # lineage.json: where the model came from (raytrain/lineage.py)
+        lineage.write(d, lin)
         # The release gate in miniature: what we wrote must load with stock transformers and be the same size.
         reloaded = param_count(AutoModelForCausalLM.from_pretrained(d))
         if reloaded != n_params:
             raise UserError(f"exported model has {reloaded:,} parameters after reload, expected {n_params:,}")
         files = sorted(os.listdir(d))
         storage.upload_dir(d, out_uri)
+    run_event(run_uri, "export", checkpoint=ck.uri, step=ck.step, out=out_uri, params=n_params, lineage=lin["id"],
+              adapter=False)
     log(f"[raytrain] exported {ck.uri} (step {ck.step}, ZeRO-{ck.cfg.deepspeed.zero_stage}) -> {out_uri}: "
-        f"{n_params:,} parameters (checked on reload), files: {', '.join(files)}")
-    return {"out": out_uri, "step": ck.step, "params": n_params, "files": files}
+        f"{n_params:,} parameters (checked on reload), lineage {lin['id']}, files: {', '.join(files)}")
+    return {"out": out_uri, "step": ck.step, "params": n_params, "files": files, "lineage": lin["id"]}
 
 
 def export_adapter(ckpt_uri: str, out_uri: str, *, tokenizer: Optional[str], log) -> dict:
@@ -237,12 +242,17 @@ def export_adapter(ckpt_uri: str, out_uri: str, *, tokenizer: Optional[str], log
         ck.model.save_pretrained(d)  # adapter_config.json + adapter_model.safetensors
         base = ck.model.unload()  # the frozen base, without the adapter layers
         write_model_dir(ck, base, d, params=param_count(base), adapter_params=n_adapter)
+        lin = lineage.build(ck.uri, tokenizer)
+        lineage.write(d, lin)
         for f in ("config.json", "model.safetensors", "generation_config.json"):
             os.remove(os.path.join(d, f))  # the base's, written by write_model_dir: they live in base/ (or init_from)
         if not init_from:
             write_model_dir(ck, base, os.path.join(d, BASE_DIR), params=param_count(base))
         files = sorted(os.listdir(d))
         storage.upload_dir(d, out_uri)
+    run_event(ck.uri.rsplit("/", 1)[0], "export", checkpoint=ck.uri, step=ck.step, out=out_uri, params=n_adapter,
+              lineage=lin["id"], adapter=True)
     log(f"[raytrain] exported the LoRA adapter of {ck.uri} (step {ck.step}) -> {out_uri}: {n_adapter:,} adapter "
-        f"parameters, base {'model.init_from ' + init_from if init_from else BASE_DIR + '/'}; files: {', '.join(files)}")
-    return {"out": out_uri, "step": ck.step, "adapter_params": n_adapter, "files": files}
+        f"parameters, base {'model.init_from ' + init_from if init_from else BASE_DIR + '/'}, lineage {lin['id']}; "
+        f"files: {', '.join(files)}")
+    return {"out": out_uri, "step": ck.step, "adapter_params": n_adapter, "files": files, "lineage": lin["id"]}

@@ -125,8 +125,38 @@ def mixture_lines(s: dict, recs: list[dict], recorded: list[dict]) -> list[str]:
     return out + [""]
 
 
+BAD_BATCH_DOCS = 20  # documents listed per rolled-back batch (the trace command lists them all)
+
+
+def bad_batch_documents(run_uri: str, recs: list[dict]) -> dict[int, list[str]]:
+    """Per rollback (its bad step), the documents of the batch it skipped, one line each, from the data's
+    provenance (raytrain/data/trace.py); a line saying why where they cannot be named."""
+    rolled = [r for r in recs if r.get("event") == "rollback" and r.get("bad_batch")]
+    if not rolled:
+        return {}
+    from raytrain.data.trace import RunData, documents
+
+    out: dict[int, list[str]] = {}
+    try:
+        run = RunData(run_uri)
+        for r in rolled:
+            got = documents(run, int(r["bad_batch"][0]))
+            seen: dict = {}
+            for row in got["rows"]:
+                for sp in row["spans"]:
+                    seen.setdefault((sp["source"], sp["record"]), sp["head"][:60])
+            lines = [f"`{src}@{rec}` {head!r}" for (src, rec), head in list(seen.items())[:BAD_BATCH_DOCS]]
+            if len(seen) > BAD_BATCH_DOCS:
+                lines.append(f"... {len(seen) - BAD_BATCH_DOCS} more: `raytrain data trace {run_uri} "
+                             f"--position {r['bad_batch'][0]}` lists them all")
+            out[int(r["bad_step"])] = lines
+    except UserError as e:  # data without provenance, or moved: the report still stands
+        return {int(r["bad_step"]): [f"documents unknown: {e}"] for r in rolled}
+    return out
+
+
 def markdown(recs: list[dict], summary: Optional[dict], run_uri: str, png_name: str,
-             restarted: tuple[dict, ...] = ()) -> str:
+             restarted: tuple[dict, ...] = (), bad_docs: Optional[dict] = None) -> str:
     s = summary or {}
     last = lambda k: next((r[k] for r in reversed(recs) if isinstance(r.get(k), (int, float))), None)  # noqa: E731
     first = lambda k: next((r[k] for r in recs if isinstance(r.get(k), (int, float))), None)  # noqa: E731
@@ -175,6 +205,10 @@ def markdown(recs: list[dict], summary: Optional[dict], run_uri: str, png_name: 
     for r in rolled:
         lines.append(f"- rollback at step {r.get('bad_step')} ({r.get('rule')}): back to step {r.get('resumed_from')}, "
                      f"samples {r['skipped'][0]}..{r['skipped'][1] - 1} skipped")
+        docs = (bad_docs or {}).get(r.get("bad_step"))
+        if docs:
+            lines.append(f"  - documents of the bad batch (samples {r['bad_batch'][0]}..{r['bad_batch'][1] - 1}):")
+            lines += [f"    - {d}" for d in docs]
     return "\n".join(lines) + "\n"
 
 
@@ -195,5 +229,6 @@ def report(run_uri: str, out: Optional[str] = None) -> tuple[str, str]:
         restarted = tuple(restarts(run_uri))
         plot(recs, f"raytrain run {name}", local, restarted)
         storage.upload_file(local, png)
-    storage.write_text(md, markdown(recs, summary, run_uri, REPORT_PNG, restarted))
+    storage.write_text(md, markdown(recs, summary, run_uri, REPORT_PNG, restarted,
+                                    bad_docs=bad_batch_documents(run_uri, recs)))
     return png, md

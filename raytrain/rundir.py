@@ -51,6 +51,10 @@ EVAL = _file("eval", "downstream evaluations (lm-evaluation-harness): eval/<step
 EVAL_QUEUE = _file("eval_queue.jsonl", "one line per checkpoint handed to a downstream evaluation (step, tasks): an "
                    "evaluation lost to a preemption is run again by the next attempt, never twice", "rank 0")
 TAGS = _file("tags", "one <tag>.json per tagged checkpoint (its step and config)", "`raytrain ckpt tag`", directory=True)
+AUDIT = _file("audit", "append-only audit records (`raytrain/audit.py`): <writer>/<seq>.jsonl segments, each written "
+              "once, whole, by one process: submissions (resolved config, its sha256, the overrides), resumes, "
+              "resizes, rollbacks, exports", "whoever records the event (the driver at submit, rank 0, "
+              "`raytrain export`), each process under a writer id of its own", directory=True)
 TENSORBOARD = _file("tensorboard", "TensorBoard event files", "rank 0", directory=True)
 REPORT_PNG = _file("report.png", "loss, perplexity and throughput plots", "`raytrain report`")
 REPORT_MD = _file("report.md", "the run's report in Markdown", "`raytrain report`")

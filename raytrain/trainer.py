@@ -217,13 +217,14 @@ def optimizer_named(cfg: Config) -> str:
 
 
 def train(cfg: Config, log: Callable[[str], None] = print, inject: Optional[dict] = None,
-          callbacks: Optional[list] = None) -> dict:
+          callbacks: Optional[list] = None, submitted: Optional[dict] = None) -> dict:
     """Run (or resume) a training run to run.max_steps. Returns the run's summary.json contents.
 
     `inject` is the fault-injection hook (see raytrain/faults.py), for tests and chaos drills; a job
     submitted with `ray job submit` can pass it as JSON in RAYTRAIN_FAULT_INJECT.
     `callbacks` are Ray Train callbacks for the run, e.g. Tune's TuneReportCallback when the run is a
     sweep trial (raytrain.sweep): every metrics report of the workers then reaches the Tune trial.
+    `submitted` is what the user asked for ({"recipe", "overrides"}), kept in the run's audit records.
     """
     from ray.train import FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -257,6 +258,7 @@ def train(cfg: Config, log: Callable[[str], None] = print, inject: Optional[dict
         + f" | {cfg.run.max_steps} steps, {optimizer_named(cfg)} warmup {o.warmup_steps} {o.decay}, "
           f"clip {o.grad_clip:g}")
     storage.write_text(RunDir(cfg.run_uri).uri(CONFIG), cfg.to_yaml())
+    audit_submit(cfg, submitted)
     s = cfg.scaling
     resources = {"CPU": s.cpus_per_worker, **s.resources_per_worker}
     if s.use_gpu:
@@ -292,6 +294,26 @@ def train(cfg: Config, log: Callable[[str], None] = print, inject: Optional[dict
     if summary is None:
         raise RuntimeError(f"training finished but wrote no summary.json under {cfg.run_uri}")
     return summary
+
+
+def audit_submit(cfg: Config, submitted: Optional[dict]) -> dict:
+    """The run's "submit" audit record: config.yaml is rewritten at every submission, so each one's resolved config
+    (and its sha256, the digest config.yaml has now) and the overrides given are kept in <run>/audit."""
+    import getpass
+    import hashlib
+    import socket
+
+    from raytrain.audit import run_event
+
+    text = cfg.to_yaml()
+    submitted = submitted or {}
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no passwd entry (containers): the record says so rather than failing the run
+        user = None
+    return run_event(cfg.run_uri, "submit", run=cfg.run.name, config_sha256=hashlib.sha256(text.encode()).hexdigest(),
+                     recipe=submitted.get("recipe"), overrides=submitted.get("overrides"), config=cfg.to_dict(),
+                     user=user, host=socket.gethostname())
 
 
 # glibc's heap settings where the run is submitted reach the training workers, which otherwise inherit the environment

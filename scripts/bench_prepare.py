@@ -71,13 +71,28 @@ def _shmem(pid: int) -> int:
         return 0
 
 
+def machine_cpu_s() -> float:
+    """CPU seconds used by every process of this machine so far (/proc/stat): a Ray run's workers included."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    return (v[0] + v[1] + v[2] + v[5] + v[6] + v[7]) / os.sysconf("SC_CLK_TCK")  # user nice system irq softirq steal
+
+
+def output_bytes(out: Path) -> dict:
+    """Bytes of the shard files and of the provenance files a prepare wrote."""
+    shards = sum(f.stat().st_size for f in out.glob("*/shard-*"))
+    prov = sum(f.stat().st_size for f in out.glob("*/provenance/*"))
+    return {"shard_bytes": shards, "provenance_bytes": prov}
+
+
 def run_prepare(src: Path, corpus: Path, out: Path, engine: str, timeout: float, json_flag: bool = True,
-                extra_path: str = "") -> dict:
+                extra_path: str = "", extra_args: tuple = ()) -> dict:
     cmd = [sys.executable, "-m", "raytrain", "prepare", f"inputs=[{corpus}]", f"out={out}", "vocab_size=2048",
-           "seq_len=128", "shard_rows=1024", f"engine={engine}", "text_field=text", "tokenizer_sample_docs=20000"]
+           "seq_len=128", "shard_rows=1024", f"engine={engine}", "text_field=text", "tokenizer_sample_docs=20000",
+           *extra_args]
     cmd += ["--json"] if json_flag else []  # older checkouts print their JSON report unasked
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(src), extra_path])), "RAY_ADDRESS": "", "RAY_USAGE_STATS_ENABLED": "0"}
-    t0 = time.monotonic()
+    t0, cpu0 = time.monotonic(), machine_cpu_s()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=str(src),
                             start_new_session=True)
     peak, peak_pss, loads, at_peak, disk0, disk = 0, 0, [], [], shutil.disk_usage(spill_dir()).used, 0
@@ -93,12 +108,12 @@ def run_prepare(src: Path, corpus: Path, out: Path, engine: str, timeout: float,
             break
         time.sleep(0.5)
     out_s, err_s = proc.communicate()
-    wall = time.monotonic() - t0
+    wall, cpu = time.monotonic() - t0, machine_cpu_s() - cpu0
     if proc.returncode != 0:
         return {"error": err_s.decode()[-2000:], "wall_s": round(wall, 1)}
     text = out_s.decode()
     report = json.loads(text[text.index("{"):])
-    return {"wall_s": round(wall, 1), "peak_rss_mb": round(peak / 2**20),
+    return {"wall_s": round(wall, 1), "cpu_s": round(cpu, 1), **output_bytes(out), "peak_rss_mb": round(peak / 2**20),
             "peak_pss_mb": round(peak_pss / 2**20), "disk_mb": round(disk / 2**20), "at_peak": at_peak[:12],
             "filters": report.get("filters", {}),
             "load_avg": f"{min(loads, default=0):.1f}-{max(loads, default=0):.1f}"}
@@ -140,8 +155,14 @@ def main() -> int:
                     help="single-process runs (engine=local, baseline) only for corpora up to this size")
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--provenance", type=int, default=0, metavar="REPEATS",
+                    help="instead: the cost of provenance, runs with provenance=false and =true interleaved REPEATS "
+                         "times per size (first engine only): CPU seconds of the whole machine and bytes written")
     a = ap.parse_args()
     from scripts.gen_corpus import generate
+
+    if a.provenance:
+        return provenance_cost(a, generate)
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-prepare-"))
     results = []
@@ -200,6 +221,44 @@ def main() -> int:
                   f"{s['mb_per_s']} MB/s = {r['mb_per_s'] / s['mb_per_s']:.2f}x (target >= 2x)")
     if a.json:
         Path(a.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+def provenance_cost(a, generate) -> int:
+    """Provenance off and on, interleaved, on the same corpus; the ratios its acceptance states (issue 46)."""
+    tmp = Path(tempfile.mkdtemp(prefix="bench-prov-"))
+    rows = []
+    try:
+        for mb in a.mb:
+            d = tmp / f"c{mb:g}"
+            generate(d, mb=mb, exact=0.02, near=0.02, threshold=0.9, seed=0, file_mb=16)
+            for rep in range(a.provenance):
+                for on in (False, True):
+                    r = run_prepare(ROOT, d / "corpus", tmp / "out", a.engines[0], a.timeout,
+                                    extra_args=(f"provenance={str(on).lower()}",))
+                    shutil.rmtree(tmp / "out", ignore_errors=True)
+                    r = {k: v for k, v in r.items() if k not in ("at_peak", "filters")}
+                    r.update({"mb": mb, "provenance": on, "repeat": rep})
+                    rows.append(r)
+                    print(json.dumps(r), flush=True)
+            shutil.rmtree(d, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print("\n| corpus | provenance | wall s | machine CPU s | shard MB | provenance MB | load avg |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['mb']:g} MB | {'on' if r['provenance'] else 'off'} | {r.get('wall_s')} | {r.get('cpu_s')} | "
+              f"{r.get('shard_bytes', 0) / 2**20:.1f} | {r.get('provenance_bytes', 0) / 2**20:.2f} | {r.get('load_avg')} |")
+    for mb in a.mb:
+        on = [r for r in rows if r["mb"] == mb and r["provenance"] and "error" not in r]
+        off = [r for r in rows if r["mb"] == mb and not r["provenance"] and "error" not in r]
+        if on and off:
+            cpu = sum(r["cpu_s"] for r in on) / sum(r["cpu_s"] for r in off)
+            size = on[0]["provenance_bytes"] / on[0]["shard_bytes"]
+            print(f"{mb:g} MB: CPU time with / without provenance = {cpu:.3f} (target <= 1.10); provenance bytes / "
+                  f"shard bytes = {size:.3f} (target <= 0.15)")
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=1))
     return 0
 
 

@@ -161,11 +161,12 @@ def mlflow_server_exe() -> str:
     return str(exe)
 
 
-def write_lm_eval_tasks(d: Path) -> Path:
+def write_lm_eval_tasks(d: Path, task: str = "raytrain_tiny_mc", data: Optional[Path] = None) -> Path:
     """A directory of lm-evaluation-harness task YAMLs over the JSONL the tests ship (no Hub download on these
-    machines): `raytrain_tiny_mc`, a 24-question multiple-choice task. Returns d."""
-    data = Path(__file__).parent / "data" / "lm_eval" / "raytrain_tiny_mc.jsonl"
-    (d / "raytrain_tiny_mc.yaml").write_text(f"""task: raytrain_tiny_mc
+    machines): `raytrain_tiny_mc`, a 24-question multiple-choice task (or `task` over `data`: JSONL of question,
+    choices, answer). Returns d."""
+    data = data or Path(__file__).parent / "data" / "lm_eval" / "raytrain_tiny_mc.jsonl"
+    (d / f"{task}.yaml").write_text(f"""task: {task}
 dataset_path: json
 dataset_kwargs:
   data_files:
@@ -200,3 +201,46 @@ def tensorboard_scalars(d: Path) -> dict[str, dict[int, float]]:
             for v in ev.summary.value:
                 scalars.setdefault(v.tag, {})[ev.step] = v.simple_value
     return scalars
+
+
+def assert_traced(run_uri: str, steps) -> dict:
+    """`raytrain data trace` of each step, checked against the data: every row covered by its spans, the row's
+    tokens at each span equal to its document (read again from the raw input, tokenized) at that span, and the
+    reconstructed batch's content checksum equal to the one logged at that step (where it was a log step).
+    Returns {step: trace}."""
+    import numpy as np
+    from tokenizers import Tokenizer
+
+    from raytrain.data.provenance import Provenance, document_text
+    from raytrain.data.trace import RunData, trace
+
+    run = RunData(run_uri)
+    _, splits, names = run.plan
+    tok = Tokenizer.from_str(open(splits[0].tokenizer_uri).read())
+    prepares = {}
+    encoded: dict = {}
+    out = {}
+    for step in steps:
+        t = trace(run_uri, step)
+        assert t["checksum_matches"] is not False, (step, t["content_checksum"], t["logged_content_checksum"])
+        if run.logged(step) is not None:
+            assert t["checksum_matches"] is True, step
+        rows = t["_tokens"]
+        assert len(t["rows"]) == run.gb == len(rows)
+        for r in t["rows"]:
+            row, at = rows[r["lane"]], 0
+            for s in r["spans"]:
+                assert s["pos"] == at, (step, r)
+                at += s["len"]
+                key = (s["source"], s["record"])
+                if key not in encoded:
+                    split = splits[names.index(r["source_name"]) if "source_name" in r else 0]
+                    prep = prepares.setdefault(split.uri, Provenance(split.uri).prepare)
+                    text = document_text(s["source"], s["record"], prep)
+                    assert text.startswith(s["head"])
+                    encoded[key] = np.array(tok.encode(text).ids + [split.eot_id])
+                want = encoded[key][s["doc_start"]:s["doc_start"] + s["len"]]
+                assert np.array_equal(row[s["pos"]:s["pos"] + s["len"]], want), (step, r["lane"], s)
+            assert at == row.shape[0], (step, r)  # the spans cover the row
+        out[step] = t
+    return out

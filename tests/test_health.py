@@ -11,7 +11,7 @@ from raytrain.config import load_config
 from raytrain.worker.health import (CPU_DEFAULTS, GPU_DEFAULTS, HealthMonitor, LossSpike, Memory, Thresholds,
                                     oom_message)
 from raytrain.worker.telemetry import peak_tflops
-from tests.helpers import tensorboard_scalars
+from tests.helpers import assert_traced, tensorboard_scalars
 
 
 def _monitor(*overrides, gpu=False, clock=None):
@@ -153,6 +153,25 @@ def test_injected_nan_rolls_back_and_skips_the_window(ray_cluster, tiny_data, tm
     assert tb, "no TensorBoard event file"
     scalars = tensorboard_scalars(tmp_path / "nanrun" / "tensorboard")
     assert scalars["loss"][10] == pytest.approx(losses[10], rel=1e-5) and 10 in scalars["tokens_per_s"]
+    # The audit records: the submission and the rollback (raytrain/audit.py).
+    from raytrain import audit
+
+    events = audit.read(audit.run_root(cfg.run_uri))
+    assert [e["kind"] for e in events] == ["submit", "rollback"], events
+    assert events[1]["bad_step"] == 7 and events[1]["skipped"] == [4 * gb, 7 * gb]
+    # Traceable through the rollback: the steps around it give the batches they logged, token for token.
+    traced = assert_traced(cfg.run_uri, [4, 5, 7, 10])
+    assert traced[5]["position"] == 7 * gb and traced[4]["position"] == 3 * gb
+    # The spike names its data: the report lists the skipped bad batch's documents.
+    from raytrain.data.trace import RunData, documents
+    from raytrain.run_report import report
+
+    bad = documents(RunData(cfg.run_uri), 6 * gb)
+    _, md = report(cfg.run_uri)
+    text = storage.read_text(md)
+    assert "documents of the bad batch (samples" in text
+    for row in bad["rows"][:2]:
+        assert f"`{row['spans'][0]['source']}@{row['spans'][0]['record']}`" in text
 
 
 @pytest.mark.slow
@@ -178,6 +197,9 @@ def test_a_nan_read_a_step_late_rolls_back_the_same_window(ray_cluster, tiny_dat
     assert summary["rollbacks"] == 1
     state = json.loads((tmp_path / "nanlate" / "checkpoint_00000010" / "raytrain_state.json").read_text())
     assert state["step"] == 10 and state["samples_seen"] == 14 * gb and state["tokens_seen"] == 10 * gb * 32
+    # Non-log steps after the rollback are placed by its record: step 8 trained the batch at 11 global batches.
+    traced = assert_traced(cfg.run_uri, [5, 8, 10])
+    assert [traced[s]["position"] for s in (5, 8, 10)] == [8 * gb, 11 * gb, 13 * gb]
 
 
 @pytest.mark.slow

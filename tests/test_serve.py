@@ -249,6 +249,7 @@ def test_openai_completions_models_and_health(server):
     by = {m["id"]: m for m in models["data"]}
     assert status == 200 and set(by) == {STABLE, CANARY}
     assert by[STABLE]["step"] == 5 and by[CANARY]["step"] == 10
+    assert by[STABLE]["lineage"] and by[CANARY]["lineage"] and by[STABLE]["lineage"] != by[CANARY]["lineage"]
     assert by[STABLE]["params"] == server["summary"]["params"] and by[CANARY]["params"] == server["ft_summary"]["params"]
     assert (by[STABLE]["role"], by[CANARY]["role"], by[CANARY]["traffic"]) == ("stable", "canary", 0.5)
     status, health = _get(url, "/healthz")

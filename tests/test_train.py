@@ -17,7 +17,7 @@ from raytrain.data.prepare import PrepareConfig, prepare
 from raytrain.rundir import ATTEMPTS, RunDir
 from raytrain.trainer import train
 from raytrain.worker.runlog import HEARTBEAT_S
-from tests.helpers import S3_RECORD, s3_requests, tiny_cfg
+from tests.helpers import assert_traced, S3_RECORD, s3_requests, tiny_cfg
 
 pytestmark = pytest.mark.slow
 
@@ -287,6 +287,17 @@ def test_resize_2_to_1_to_2_keeps_data_position_and_global_batch(ray_cluster, ti
         state = json.loads((tmp_path / "resize" / dir_name(step) / "raytrain_state.json").read_text())
         assert state["samples_seen"] == step * 8 and state["global_batch"] == 8
     assert _crcs(two.run_uri) == _crcs(mix_baseline[0]["run_uri"])
+    # The audit records of the three submissions, the two resumes and both resizes, none lost.
+    from raytrain import audit
+
+    events = [(e["kind"], e.get("step"), e.get("to_world_size")) for e in audit.read(audit.run_root(two.run_uri))]
+    assert [k for k, _, _ in events] == ["submit", "submit", "resume", "resize", "submit", "resume", "resize"], events
+    assert [(s, w) for k, s, w in events if k == "resize"] == [(4, 1), (8, 2)]
+    # Traceable across the kills, the resizes and the schedule's change at step 6: each batch's documents from
+    # both sources, token for token, with the checksum each step logged (steps 6-8 were trained by one worker).
+    traced = assert_traced(two.run_uri, [3, 6, 8, 12])
+    assert {r["source_name"] for r in traced[6]["rows"]} == {"big", "small"}
+    assert [traced[s]["world_size"] for s in (3, 6, 12)] == [2, 1, 2]
     # One universal conversion per source checkpoint (4: written by 2 workers, resumed on 1; 8: written by 1,
     # resumed on 2), each kept beside its checkpoint in storage.
     conv = [json.loads(x) for x in (tmp_path / "resize" / "conversions.jsonl").read_text().splitlines()]

@@ -35,16 +35,20 @@ def run(args) -> int:
         return _url_check(args)
     if not args.model_dir:
         raise UserError("check needs MODEL_DIR (an exported model) or --url URL (a running `raytrain serve`)")
+    from raytrain.lineage import model_id
     from raytrain.release_check import run_checks
 
     out = run_checks(args.model_dir, expect_params=args.expect_params, prompt=args.prompt, n=args.n,
                      max_new_tokens=args.max_new_tokens, max_p99_ms=args.max_p99_ms, data=args.data,
                      max_loss_diff=args.max_loss_diff)
+    out["lineage"] = model_id(args.model_dir)
     if args.json:
         print(json.dumps(out, indent=1))
     else:
         for c in out["checks"]:
             print(f"{'PASS' if c['ok'] else 'FAIL'}  {c['name']:10} {c['detail']}")
+        print(f"lineage {out['lineage']} (`raytrain lineage {args.model_dir}`)" if out["lineage"] else
+              "lineage none recorded (exported before lineage.json; export it again to record one)")
         print(f"{'release check passed' if out['ok'] else 'release check FAILED'}: {args.model_dir}")
     return 0 if out["ok"] else 1
 

@@ -28,6 +28,12 @@ def add_parser(subparsers):
                     "chat template: raytrain's default (README) or none (/v1/chat/completions answers 400)")
     sv.add_argument("--metrics-port", type=int, default=None, help="local Ray only: Prometheus metrics on this port")
     sv.add_argument("--ready-file", default=None, help="write {url, stable, canary} here once serving (for scripts)")
+    sv.add_argument("--audit", default=None, metavar="URI", help="where the deployment's audit records go (deploy, "
+                    "promote, rollback, split, one record per request with prompt and completion sha256 and lengths), "
+                    "local or s3://; default: beside the served model, <model dir>.audit (for a run: "
+                    "<run>/exports/<checkpoint>.audit); none: no records")
+    sv.add_argument("--audit-text", action="store_true", help="also keep each request's prompt and completion text "
+                    "in the audit records (default: digests and lengths only)")
     return sv
 
 
@@ -45,4 +51,5 @@ def run(args) -> int:
                          canary_version=args.canary_version, canary_fraction=args.canary_fraction or 0.0,
                          replicas=args.replicas, max_replicas=args.max_replicas, num_cpus=args.cpus_per_replica,
                          max_batch_size=args.max_batch_size, chat_template=args.chat_template,
-                         metrics_port=args.metrics_port, ready_file=args.ready_file)
+                         metrics_port=args.metrics_port, ready_file=args.ready_file, audit=args.audit,
+                         audit_text=args.audit_text)

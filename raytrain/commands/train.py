@@ -17,7 +17,7 @@ def run(args) -> int:
 
     cfg = load_config(args.config, args.overrides)
     check_address("train", cfg.scaling.address)  # before the data is checked: the address is the first problem
-    summary = train(cfg)
+    summary = train(cfg, submitted={"recipe": args.config, "overrides": list(args.overrides)})
     print(format_summary(summary))
     return 0
 

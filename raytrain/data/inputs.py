@@ -90,9 +90,9 @@ def _decode(data: bytes, invalid_utf8: str) -> tuple[Optional[str], str]:
 
 
 def read_file(uri: str, text_field: str = "text", text_mode: str = "file", invalid_utf8: str = "replace",
-              start: int = 0, stop: int = -1, example: Optional[dict] = None) -> list[tuple[Optional[str], str]]:
+              start: int = 0, stop: int = -1, example: Optional[dict] = None) -> list[tuple[Optional[str], str, int]]:
     """Documents of one file, or of its byte range [start, stop) (see read_units), as (text or None if dropped,
-    utf-8 status). Bad files are a UserError naming them (and the line, for JSONL). `example` ({fmt, fields}):
+    utf-8 status, record: the byte offset of its line, the Parquet row, 0 for a whole file). Bad files are a UserError naming them (and the line, for JSONL). `example` ({fmt, fields}):
     JSONL records are fine-tuning examples, each one document (raytrain/data/examples.py)."""
     k = kind(uri)
     if example is not None and k != "jsonl":
@@ -104,21 +104,23 @@ def read_file(uri: str, text_field: str = "text", text_mode: str = "file", inval
     except UserError as e:
         raise UserError(f"input {uri}: cannot read it ({e})") from None
     if k == "text" and text_mode == "file":
-        return [_decode(data, invalid_utf8)]
+        return [(*_decode(data, invalid_utf8), 0)]
 
     def where(n: int) -> str:  # lines before this range are counted only when there is an error to name
         return f"{uri}:{n + (storage.count_lines(uri, first) if first else 0)}"
 
     out = []
+    offset = first  # the record's locator: where its line starts in the file (cheap, unlike a line number)
     for lineno, raw in enumerate(io.BytesIO(data), 1):
+        at, offset = offset, offset + len(raw)
         text, status = _decode(raw, invalid_utf8)
         if text is None:
-            out.append((None, status))
+            out.append((None, status, at))
             continue
         if not text.strip():  # blank lines separate documents; they are not documents
             continue
         if k == "text":
-            out.append((text.rstrip("\r\n"), status))
+            out.append((text.rstrip("\r\n"), status, at))
             continue
         try:
             rec = json.loads(text)
@@ -127,15 +129,15 @@ def read_file(uri: str, text_field: str = "text", text_mode: str = "file", inval
         if example is not None and isinstance(rec, dict):
             from raytrain.data.examples import record_to_doc
 
-            out.append((record_to_doc(rec, fmt=example["fmt"], fields=example["fields"], where=where(lineno)), status))
+            out.append((record_to_doc(rec, fmt=example["fmt"], fields=example["fields"], where=where(lineno)), status, at))
             continue
         if not isinstance(rec, dict) or text_field not in rec:
             raise UserError(f"input {where(lineno)}: record has no {text_field!r} field (set text_field=...)")
-        out.append((str(rec[text_field]), status))
+        out.append((str(rec[text_field]), status, at))
     return out
 
 
-def _read_parquet(uri: str, text_field: str, start: int, stop: int) -> list[tuple[Optional[str], str]]:
+def _read_parquet(uri: str, text_field: str, start: int, stop: int) -> list[tuple[Optional[str], str, int]]:
     import pyarrow.parquet as pq
 
     fs, path = storage.resolve(uri)
@@ -148,12 +150,16 @@ def _read_parquet(uri: str, text_field: str, start: int, stop: int) -> list[tupl
             groups = range(pf.num_row_groups)
             if stop >= 0:  # the row groups whose first page lies in the range: each in exactly one range
                 groups = [g for g in groups if start <= _row_group_offset(pf.metadata.row_group(g)) < stop]
+            first_row = [0]
+            for g in range(pf.num_row_groups):
+                first_row.append(first_row[-1] + pf.metadata.row_group(g).num_rows)
+            rows = [r for g in groups for r in range(first_row[g], first_row[g + 1])]
             col = pf.read_row_groups(list(groups), columns=[text_field])[text_field]
     except UserError:
         raise
     except Exception as e:  # noqa: BLE001 - any pyarrow failure means the file is unreadable
         raise UserError(f"input {uri}: not a readable Parquet file ({str(e).strip().splitlines()[0]})") from None
-    return [("" if v is None else str(v), "ok") for v in col.to_pylist()]
+    return [("" if v is None else str(v), "ok", r) for v, r in zip(col.to_pylist(), rows)]
 
 
 def _row_group_offset(rg) -> int:

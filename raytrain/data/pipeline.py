@@ -27,7 +27,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from raytrain.data import minhash, neardup, stages
+from raytrain.data import minhash, neardup, provenance, stages
 from raytrain.data.corpus import BUILTIN, python_docs
 from raytrain.data.inputs import expand, read_file, read_units, use_ray, user_errors_from_ray
 from raytrain.data.report import MAX_LENGTH_SAMPLE
@@ -132,6 +132,7 @@ class Sources:
                 self.builtin += list(python_docs(cfg.max_chars))
                 continue
             files += expand(spec)
+        self.files = [uri for uri, _ in files]
         self.n_files = len(files)
         self.bytes = sum(size for _, size in files) + sum(len(d) for d in self.builtin)
         self.units = read_units(files, cfg.text_mode)
@@ -139,21 +140,29 @@ class Sources:
         self.n_parts = max(1, math.ceil(self.bytes / (cfg.partition_mb * 2**20)))
 
 
-def _read_batch(batch: pa.Table, **kw) -> pa.Table:
-    rows = [r for u in batch.to_pylist() for r in read_file(u["uri"], start=u["start"], stop=u["stop"], **kw)]
-    return pa.table({"text": pa.array([t for t, _ in rows], pa.large_string()),
-                     "utf8": pa.array([s for _, s in rows], pa.string())})
+def read_batch(batch: pa.Table, **kw) -> pa.Table:
+    """Read units -> documents with their source (input URI) and record (raytrain/data/provenance.py)."""
+    units = batch.to_pylist()
+    got = [read_file(u["uri"], start=u["start"], stop=u["stop"], **kw) for u in units]
+    rows = [r for g in got for r in g]
+    return pa.table({"text": pa.array([t for t, _, _ in rows], pa.large_string()),
+                     "utf8": pa.array([s for _, s, _ in rows], pa.string()),
+                     "src": pa.array([u["uri"] for u, g in zip(units, got) for _ in g], pa.string()),
+                     "rec": pa.array([r for _, _, r in rows], pa.int64())})
 
 
-def _builtin_table(docs: list[str]) -> pa.Table:
-    return pa.table({"text": pa.array(docs, pa.large_string()), "utf8": pa.array(["ok"] * len(docs), pa.string())})
+def builtin_table(docs: list[str]) -> pa.Table:
+    return pa.table({"text": pa.array(docs, pa.large_string()), "utf8": pa.array(["ok"] * len(docs), pa.string()),
+                     "src": pa.array([provenance.BUILTIN_SOURCE] * len(docs), pa.string()),
+                     "rec": pa.array(np.arange(len(docs), dtype=np.int64))})
 
 
 def _kept_docs(batch: pa.Table) -> pa.Table:
     b = batch.filter(pc.equal(batch.column("reason"), ""))
     return pa.table({"text": b.column("text"), "h": b.column("h"), "k": b.column("k"), "part": b.column("part"),
                      "val": b.column("val"), "marker": pa.array(np.zeros(b.num_rows, bool)),
-                     "other": pa.array(np.zeros(b.num_rows, np.uint64))})
+                     "other": pa.array(np.zeros(b.num_rows, np.uint64)), "src": b.column("src"),
+                     "rec": b.column("rec")})
 
 
 
@@ -212,14 +221,17 @@ def merge_stats(stats: list[dict], review_n: int) -> dict:
             offsets[name][p] = acc
             acc += per[p]
     near = neardup.merge([s["near"] for _, s in stats if "near" in s])
-    return {"counts": counts, "splits": splits, "offsets": offsets, "near": near}
+    docs = {name: sorted((e for _, s in stats for n, e in s.get("provenance", {}).items() if n == name and e),
+                         key=lambda e: e["part"]) for name in ("train", "val")}
+    return {"counts": counts, "splits": splits, "offsets": offsets, "near": near, "provenance_docs": docs}
 
 
 def _stage_kwargs(cfg, src: Sources) -> dict:
     near = cfg.near_dup_threshold < 1.0
     bands, rows = minhash.lsh_params(cfg.near_dup_threshold, minhash.NUM_PERM) if near else (0, 0)
     return dict(min_chars=cfg.min_chars, max_doc_chars=cfg.max_doc_chars, near=near, bands=bands, rows=rows,
-                seed=cfg.seed, n_parts=src.n_parts, val_fraction=cfg.val_fraction)
+                seed=cfg.seed, n_parts=src.n_parts, val_fraction=cfg.val_fraction,
+                contamination=getattr(src, "contamination", None))
 
 
 def run(cfg, out: str, make_tokenizer: Callable[[Optional[list[str]]], tuple], log) -> dict:
@@ -232,11 +244,26 @@ def run(cfg, out: str, make_tokenizer: Callable[[Optional[list[str]]], tuple], l
         engine = "ray" if src.bytes >= LOCAL_MAX_BYTES else "local"
     # A local instance's disk must hold the spills: checked before it starts.
     ray_engine = use_ray(engine, LOCAL_RAY, before_local_start=lambda: check_spill_space(src.bytes, log))
+    dc = cfg.decontaminate
+    contamination = None
+    if dc.tasks or dc.files:  # the evaluation data's n-grams, built here once (small beside any corpus)
+        from raytrain.data.contamination import build_index
+
+        contamination, per_source = build_index(tasks=dc.tasks, files=dc.files, include_path=dc.include_path,
+                                                n=dc.ngram)
+        log(f"prepare: dropping documents that share a {dc.ngram}-word n-gram with {contamination.documents:,} "
+            f"evaluation documents ({', '.join(per_source)})")
+    src.contamination = contamination
     log(f"prepare: {src.n_files + (1 if src.builtin else 0)} input(s) in {len(src.units) + (1 if src.builtin else 0)} "
         f"read unit(s), {src.bytes / 2**20:.1f} MB, "
         f"{src.n_parts} partition(s), engine {'ray' if ray_engine else 'local'}")
     with user_errors_from_ray():
         r = (_run_ray if ray_engine else _run_local)(cfg, src, out, make_tokenizer, log)
+        # What the output was made from, for lineage (raytrain/lineage.py): one more read of each input file.
+        r["inputs"] = provenance.input_digests(src.files, cfg.max_chars if src.builtin else None, ray_engine)
+    if contamination is not None:
+        r["decontaminate"] = {"ngram": dc.ngram, "evaluation_documents": per_source,
+                              "dropped": int(r["counts"].get("dropped_contaminated", 0))}
     kw = _stage_kwargs(cfg, src)
     r["near"] = ({"threshold": cfg.near_dup_threshold, "bands": kw["bands"], "rows": kw["rows"], **r["near"],
                   "s_curve": neardup.s_curve(cfg.near_dup_threshold, kw["bands"], kw["rows"])} if kw["near"] else None)
@@ -265,7 +292,7 @@ def check_spill_space(nbytes: int, log) -> None:
         log(f"prepare: warning: {msg}; it may run out midway")
 
 
-def _read_kw(cfg) -> dict:
+def read_kw(cfg) -> dict:
     kw = {"text_field": cfg.text_field, "text_mode": cfg.text_mode, "invalid_utf8": cfg.invalid_utf8}
     if cfg.format != "text":
         kw["example"] = {"fmt": cfg.format, "fields": {k: getattr(cfg, k) for k in
@@ -302,8 +329,8 @@ def _run_local(cfg, src: Sources, out: str, make_tokenizer, log) -> dict:
     kw = _stage_kwargs(cfg, src)
     with _Reporter(prog.snapshot, log) as rep:
         log = rep.say
-        raw = [_builtin_table(src.builtin)]
-        raw += [_read_batch(pa.Table.from_pylist([u]), **_read_kw(cfg)) for u in src.units]
+        raw = [builtin_table(src.builtin)]
+        raw += [read_batch(pa.Table.from_pylist([u]), **read_kw(cfg)) for u in src.units]
         raw = pa.concat_tables(raw)
         S = pa.concat_tables([stages.normalise_batch(raw.slice(i, NORMALISE_BATCH), progress=prog, **kw)
                               for i in range(0, max(raw.num_rows, 1), NORMALISE_BATCH)])
@@ -315,7 +342,7 @@ def _run_local(cfg, src: Sources, out: str, make_tokenizer, log) -> dict:
             # one group for the whole corpus: attach_partners needs only each pair beside its document
             parts.append(stages.attach_partners(pa.concat_tables([stages.lookup_docs(S), requests]), n_parts=src.n_parts))
         docs = pa.concat_tables(parts)
-        fin_kw = _finalize_kwargs(cfg, tok, eot_id, n_kept)
+        fin_kw = _finalize_kwargs(cfg, tok, eot_id, n_kept, out)
         part_col = docs.column("part").to_numpy()
         F = pa.concat_tables([stages.finalize_partition(docs.filter(pa.array(part_col == p)), progress=prog, **fin_kw)
                               for p in np.unique(part_col)])
@@ -330,7 +357,7 @@ def _run_local(cfg, src: Sources, out: str, make_tokenizer, log) -> dict:
     return _result(merged, counts, pa.concat_tables(written).to_pylist() if written else [], tok, eot_id, "local")
 
 
-def _finalize_kwargs(cfg, tok, eot_id, n_kept: int) -> dict:
+def _finalize_kwargs(cfg, tok, eot_id, n_kept: int, out: str) -> dict:
     def cut(n, share):  # twice the expected need: the bottom-k of the whole split lies below it
         return 1.0 if share <= 0 else min(1.0, 2.0 * n / max(1.0, n_kept * share) + 1e-9)
 
@@ -344,7 +371,7 @@ def _finalize_kwargs(cfg, tok, eot_id, n_kept: int) -> dict:
                    "chat_template": chat_template(cfg.chat_template, cfg.tokenizer) if cfg.format == "chat" else None}
     return dict(tok_json=tok.to_str(), eot_id=eot_id, window=cfg.seq_len + 1, pii=cfg.pii_scrub,
                 review_n=cfg.review_samples, seed=cfg.seed, cutoffs=cutoffs, near_threshold=cfg.near_dup_threshold,
-                example=example)
+                example=example, out=out if cfg.provenance else None)
 
 
 def _write_kwargs(cfg, out) -> dict:
@@ -359,28 +386,40 @@ def _check_train(merged: dict, cfg) -> None:
 
 def _result(merged, counts, written_rows, tok, eot_id, engine) -> dict:
     shards: dict[str, dict[str, list]] = {"train": {}, "val": {}}
+    spans: dict[str, list] = {"train": [], "val": []}
     reuse = {"train": [0, 0], "val": [0, 0]}
     for r in sorted(written_rows, key=lambda r: (r["split"], r["index"])):
         entries = json.loads(r["entries"])
         for fmt, entry in entries.items():
             shards[r["split"]].setdefault(fmt, []).append(entry)
+        if json.loads(r["spans"]):
+            spans[r["split"]].append(json.loads(r["spans"]))
         reuse[r["split"]][0] += r["reused"]
         reuse[r["split"]][1] += len(entries) - r["reused"]
     counts.update({k: v for k, v in merged["counts"].items() if v})
     return {"counts": counts, "splits": merged["splits"], "shards": shards, "reuse": reuse, "tok": tok,
-            "eot_id": eot_id, "engine": engine, "near": merged["near"]}
+            "eot_id": eot_id, "engine": engine, "near": merged["near"],
+            "provenance": {split: {"documents": merged["provenance_docs"][split], "spans": spans[split]}
+                           for split in ("train", "val")}}
+
+
+def quiet_ray_data():
+    """Ray Data's own logging (operator start lines, progress, a warning that bars are off, a second copy of any task
+    error) kept out of our commands' output; failures still arrive as exceptions. Returns its DataContext."""
+    import ray.data
+
+    logging.getLogger("ray.data").setLevel(logging.CRITICAL)
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = False  # our own throttled progress lines instead of per-operator bars
+    ctx.print_on_execution_start = False
+    return ctx
 
 
 def _run_ray(cfg, src: Sources, out: str, make_tokenizer, log) -> dict:
     import ray
     import ray.data
 
-    # Ray Data's own logging (operator start lines, a warning that bars are off, a second copy of any task
-    # error) stays out of prepare's output; failures still arrive as exceptions, read below.
-    logging.getLogger("ray.data").setLevel(logging.CRITICAL)
-    ctx = ray.data.DataContext.get_current()
-    ctx.enable_progress_bars = False  # our own throttled progress lines instead of per-operator bars
-    ctx.print_on_execution_start = False
+    ctx = quiet_ray_data()
     ctx.shuffle_input_batch_bytes = SHUFFLE_BATCH_BYTES
     # Sort-based shuffle: its intermediate blocks live in the object store (bounded, spilled to disk) and each
     # reduce task takes one partition. The default hash shuffle (SHUFFLE_V2) keeps every partition's blocks in
@@ -395,10 +434,10 @@ def _run_ray(cfg, src: Sources, out: str, make_tokenizer, log) -> dict:
         pieces = []
         if src.units:
             pieces.append(ray.data.from_items(src.units, override_num_blocks=len(src.units))
-                          .map_batches(functools.partial(_read_batch, **_read_kw(cfg)), batch_size=1,
+                          .map_batches(functools.partial(read_batch, **read_kw(cfg)), batch_size=1,
                                        batch_format="pyarrow"))
         if src.builtin:
-            pieces.append(ray.data.from_arrow(_builtin_table(src.builtin)))
+            pieces.append(ray.data.from_arrow(builtin_table(src.builtin)))
         raw = pieces[0].union(*pieces[1:]) if len(pieces) > 1 else pieces[0]
         S = raw.map_batches(stages.normalise_batch, batch_size=NORMALISE_BATCH, batch_format="pyarrow",
                             fn_kwargs={**kw, "progress": prog}).materialize()
@@ -422,7 +461,7 @@ def _run_ray(cfg, src: Sources, out: str, make_tokenizer, log) -> dict:
             docs = docs.union(pairs)
         log("prepare: de-duplicating, tokenizing and packing")
         F = docs.groupby("part").map_groups(stages.finalize_partition, batch_format="pyarrow",
-                                            fn_kwargs={**_finalize_kwargs(cfg, tok, eot_id, n_kept), "progress": prog}
+                                            fn_kwargs={**_finalize_kwargs(cfg, tok, eot_id, n_kept, out), "progress": prog}
                                             ).materialize()
         stats_rows = F.map_batches(lambda b: b.filter(pc.equal(b.column("kind"), "stats")).select(["part", "stats"]),
                                    batch_size=None, batch_format="pyarrow").take_all()

@@ -8,6 +8,8 @@ Layout written under `out`:
     train/_written/             one record per shard file written (sha256 of its rows and of its bytes):
                                 a re-run skips shard files already written and verified
     train/manifest.json         written last: a split without it is incomplete and is refused
+    train/provenance/           each row's documents (docs-*.parquet per partition, spans-*.parquet per shard;
+                                raytrain/data/provenance.py)
     val/...
     report.json, report.md, doc_lengths.png, review_sample.jsonl
 """
@@ -24,7 +26,7 @@ from pydantic import Field
 from raytrain import storage
 from raytrain.config import Section, load_tree
 from raytrain.data import manifest as mf
-from raytrain.data import pipeline
+from raytrain.data import pipeline, provenance
 from raytrain.data.corpus import BUILTIN
 from raytrain.data.examples import COLUMNS, plain_text
 from raytrain.data.report import write_report
@@ -32,6 +34,13 @@ from raytrain.data.shards import SHARD_LAYOUT, WRITTEN  # noqa: F401 - where cal
 from raytrain.errors import UserError
 
 EOT = "<|endoftext|>"
+
+
+class DecontaminateSection(Section):
+    tasks: list[str] = Field(default_factory=list, description="lm-evaluation-harness tasks whose documents must not be trained on: documents sharing a long n-gram with them are dropped (counted)")
+    files: list[str] = Field(default_factory=list, description="evaluation files (.txt a document per line, .jsonl, .parquet) treated like tasks")
+    include_path: Optional[str] = Field(None, description="a directory of your own lm-eval task YAMLs (as eval.include_path)")
+    ngram: int = Field(13, ge=1, description="words in a shared n-gram that marks a document contaminated (GPT-3 and lm-eval use 13)")
 
 
 class PrepareConfig(Section):
@@ -66,6 +75,8 @@ class PrepareConfig(Section):
     chat_template: Optional[str] = Field(None, description="format=chat: a Jinja chat template (as in transformers); null: the tokenizer's own (a Hugging Face tokenizer directory), else raytrain's default (the one `raytrain serve` uses)")
     pack: bool = Field(True, description="examples: several whole examples per sequence (true) or one, padded (false); an example is never split across sequences")
     too_long: Literal["truncate", "drop"] = Field("truncate", description="examples longer than seq_len+1 tokens: cut to it or leave out (either is counted in the report)")
+    decontaminate: DecontaminateSection = Field(default_factory=DecontaminateSection, description="drop training documents that share an n-gram with evaluation data (raytrain/data/contamination.py)")
+    provenance: bool = Field(True, description="write each packed row's documents (source file, record, token span) beside the shards, for `raytrain data trace`, and the inputs' sha256 for lineage (raytrain/data/provenance.py)")
     seed: int = Field(0, ge=0, lt=2**32)
 
 
@@ -163,6 +174,15 @@ def prepare(cfg: PrepareConfig, log=print) -> dict:
             "documents": int(s["documents"]),
             "prepare": cfg.model_dump(mode="json"),
         }
+        prov = r["provenance"][split]
+        manifest["provenance"] = {"version": provenance.VERSION, "inputs": r["inputs"],
+                                  "documents": prov["documents"] if cfg.provenance else [],
+                                  "spans": prov["spans"] if cfg.provenance else []}
+        if not manifest["provenance"]["spans"]:
+            manifest["provenance"]["spans_missing"] = (
+                "it was prepared with provenance=false" if not cfg.provenance else
+                f"format={cfg.format} rows hold whole examples; their spans are not recorded" if cfg.format != "text"
+                else "the split has no rows")
         ex = {k: int(s.get(k, 0)) for k in pipeline.EXAMPLE_STATS}
         if cfg.format != "text":  # fine-tuning rows: tokens | loss_mask | segment_ids (raytrain/data/examples.py)
             manifest.update({"columns": list(COLUMNS), "example_format": cfg.format, **ex})
@@ -172,6 +192,8 @@ def prepare(cfg: PrepareConfig, log=print) -> dict:
         report[split] = {"documents": int(s["documents"]), "samples": int(s["rows"]),
                          "tokens": int(s["rows"]) * window, "shards": len(shards[cfg.formats[0]]),
                          **(ex if cfg.format != "text" else {})}
+    if r.get("decontaminate"):
+        report["decontaminate"] = r["decontaminate"]
     data_report = write_report(out, counts, splits, report, cfg.seed, near=r["near"])
     report["filters"] = dict(counts)
     report["ks_train_val_doc_tokens"] = data_report["ks_train_val_doc_tokens"]

@@ -61,6 +61,8 @@ def write_report(out: str, counts: dict, splits: dict[str, dict], summary: dict,
         "ks_approximate": approx,
         "doc_token_lengths_sample": doc_lengths,
     }
+    if summary.get("decontaminate"):  # what the contamination filter looked for (its drops are in filters)
+        report["decontaminate"] = summary["decontaminate"]
     review = [{"text": t} for _, t in splits.get("train", {}).get("review", [])]
     if near is not None:
         report["near_duplicates"] = near_section(near, removed=counts.get("dropped_near_duplicate", 0))

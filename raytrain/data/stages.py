@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from raytrain import storage
-from raytrain.data import minhash, neardup
+from raytrain.data import minhash, neardup, provenance
 from raytrain.data.quality import normalise, scrub_pii
 from raytrain.data.report import MAX_LENGTH_SAMPLE
 
@@ -39,7 +39,7 @@ def partition_of(k: np.ndarray, n_parts: int) -> np.ndarray:
 
 
 def normalise_batch(batch: pa.Table, *, min_chars: int, max_doc_chars: int, near: bool, bands: int, rows: int,
-                    seed: int, n_parts: int, val_fraction: float, progress=None) -> pa.Table:
+                    seed: int, n_parts: int, val_fraction: float, contamination=None, progress=None) -> pa.Table:
     """Raw documents (text, utf8) -> one row each: normalised text ("" when dropped), why it was dropped (""
     when kept), 128-bit content hash h, its first 8 bytes k, partition, split and LSH band keys."""
     texts, status = batch.column("text").to_pylist(), batch.column("utf8").to_pylist()
@@ -55,6 +55,8 @@ def normalise_batch(batch: pa.Table, *, min_chars: int, max_doc_chars: int, near
             why = "dropped_short"
         elif max_doc_chars and len(text) > max_doc_chars:
             why = "dropped_long"
+        elif contamination is not None and contamination.hits(text):  # (raytrain/data/contamination.py)
+            why = "dropped_contaminated"
         if why:
             text = ""
         reason.append(why)
@@ -71,6 +73,8 @@ def normalise_batch(batch: pa.Table, *, min_chars: int, max_doc_chars: int, near
         "part": pa.array(partition_of(k, n_parts)),
         "val": pa.array(unit(k, seed, "split") < val_fraction),
     }
+    if "src" in batch.column_names:  # provenance: which input and record each document came from
+        cols["src"], cols["rec"] = batch.column("src"), batch.column("rec")
     if near:
         keys = np.zeros((len(hs), bands), np.uint64)
         if kept.any():
@@ -154,7 +158,8 @@ def attach_partners(group: pa.Table, *, n_parts: int) -> pa.Table:
     return pa.table({"text": docs.column("text").take(pa.array(idx, pa.int64())).combine_chunks().cast(pa.large_string()),
                      "h": pa.array([b"\0" * 16] * n, pa.binary(16)), "k": pa.array(pairs[:, 1], pa.uint64()),
                      "part": pa.array(partition_of(pairs[:, 1], n_parts)), "val": pa.array(np.zeros(n, bool)),
-                     "marker": pa.array(np.ones(n, bool)), "other": pa.array(pairs[:, 0], pa.uint64())})
+                     "marker": pa.array(np.ones(n, bool)), "other": pa.array(pairs[:, 0], pa.uint64()),
+                     "src": pa.array([""] * n, pa.string()), "rec": pa.array(np.zeros(n, np.int64))})
 
 
 _TOKENIZERS: dict[str, object] = {}
@@ -178,18 +183,21 @@ def bottom(pairs, n: int) -> list:
 
 def finalize_partition(group: pa.Table, *, tok_json: str, eot_id: int, window: int, pii: bool, review_n: int,
                        seed: int, cutoffs: dict, near_threshold: float = 1.0, example: dict | None = None,
-                       progress=None) -> pa.Table:
+                       out: str | None = None, progress=None) -> pa.Table:
     """One partition's documents (+ near-duplicate candidate pairs, marker rows) -> packed rows per split, and
     one stats row.
 
     Documents are taken in content-hash order, so the rows depend only on which documents the partition holds.
     Sample candidates are only those whose hash draw is below the split's cutoff (about twice the sample size
-    over the whole corpus), so what the driver merges stays bounded however many partitions there are."""
+    over the whole corpus), so what the driver merges stays bounded however many partitions there are.
+
+    out: the dataset URI, where the partition's provenance is written (raytrain/data/provenance.py); None: none.
+    Of exact duplicates the copy with the smallest (source, record) survives, so provenance is deterministic too."""
     counts: Counter = Counter()
     marker = group.column("marker").to_numpy(zero_copy_only=False)
     pairs = group.filter(pa.array(marker))
     docs = group.filter(pa.array(~marker))
-    docs = docs.take(pc.sort_indices(docs, [("h", "ascending")]))
+    docs = docs.take(pc.sort_indices(docs, [("h", "ascending"), ("src", "ascending"), ("rec", "ascending")]))
     h = docs.column("h").to_pylist()
     first = [i == 0 or h[i] != h[i - 1] for i in range(len(h))]
     counts["dropped_exact_duplicate"] = len(h) - sum(first)
@@ -204,7 +212,10 @@ def finalize_partition(group: pa.Table, *, tok_json: str, eot_id: int, window: i
         texts = [scrub_pii(t, counts) for t in texts]
     val = docs.column("val").to_numpy(zero_copy_only=False)
     tok = _tokenizer(tok_json)
-    out_rows, stats = [], {"counts": {}, "splits": {}}
+    part = int(group.column("part")[0].as_py()) if group.num_rows else 0
+    src, rec = docs.column("src").to_pylist(), docs.column("rec").to_numpy()
+    h = docs.column("h").to_pylist()
+    out_rows, stats = [], {"counts": {}, "splits": {}, "provenance": {}}
     u_len, u_rev = unit(k, seed, "lengths"), unit(k, seed, "review")
     for split, mask in (("train", ~val), ("val", val)):
         idx = np.flatnonzero(mask)
@@ -216,7 +227,13 @@ def finalize_partition(group: pa.Table, *, tok_json: str, eot_id: int, window: i
                                         counts=ex_counts, progress=progress)
             counts.update({k: v for k, v in ex_counts.items() if k.startswith(("dropped_", "truncated"))})
         n = len(rows)
-        out_rows.append((split, rows))
+        spans = None
+        if out is not None and example is None:
+            spans = provenance.spans_of(lens, n, window)
+            stats["provenance"][split] = provenance.write_docs(
+                storage.join(out, split), part, h=[h[i] for i in idx], src=[src[i] for i in idx], rec=rec[idx],
+                tokens=lens + 1, texts=[texts[i] for i in idx])
+        out_rows.append((split, rows, spans))
         stats["splits"][split] = {**{k: v for k, v in ex_counts.items() if k.endswith("_tokens") or k == "examples"},
             "documents": int(len(idx)), "tokens": int(lens.sum()), "max": int(lens.max()) if len(lens) else 0,
             "rows": int(n),
@@ -228,10 +245,10 @@ def finalize_partition(group: pa.Table, *, tok_json: str, eot_id: int, window: i
     counts["kept"] = len(texts)
     stats["counts"] = dict(counts)
     stats["near"] = near
-    part = int(group.column("part")[0].as_py()) if group.num_rows else 0
-    tables = [_rows_table(split, part, rows, window) for split, rows in out_rows]
+    tables = [_rows_table(split, part, rows, window, spans) for split, rows, spans in out_rows]
     tables.append(pa.table({"kind": ["stats"], "split": [""], "part": [part], "seq": [0],
                             "tokens": pa.array([None], pa.list_(pa.int32())),
+                            "spans": pa.array([None], pa.list_(pa.int32())),
                             "stats": pa.array([json.dumps(stats)], pa.large_string())}))
     return pa.concat_tables(tables)
 
@@ -270,13 +287,22 @@ def _pack_examples(tok, docs: list[str], *, eot_id: int, window: int, example: d
     return rows.reshape(len(rows), 3 * window), np.array([len(ids) for ids, _ in encoded], np.int64)
 
 
-def _rows_table(split: str, part: int, rows: np.ndarray, window: int) -> pa.Table:
+def _rows_table(split: str, part: int, rows: np.ndarray, window: int, spans) -> pa.Table:
+    """Packed rows; `spans` ([k, 5]: row, pos, len, doc, doc_start; None: no provenance) ride along per row as
+    [pos, len, doc, doc_start] * its spans."""
     n = len(rows)
+    if spans is None:
+        span_col = pa.array([None] * n, pa.list_(pa.int32()))
+    else:
+        offsets = np.searchsorted(spans[:, 0], np.arange(n + 1)) * 4
+        span_col = pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)),
+                                            pa.array(spans[:, 1:].reshape(-1).astype(np.int32)))
     return pa.table({
         "kind": pa.array(["rows"] * n, pa.string()), "split": pa.array([split] * n, pa.string()),
         "part": pa.array(np.full(n, part, np.int64)), "seq": pa.array(np.arange(n, dtype=np.int64)),
         "tokens": pa.ListArray.from_arrays(pa.array(np.arange(0, rows.size + 1, rows.shape[1], dtype=np.int32)),
                                            pa.array(rows.reshape(-1), pa.int32())),
+        "spans": span_col,
         "stats": pa.array([None] * n, pa.large_string()),
     })
 
@@ -289,7 +315,7 @@ def assign_shards(batch: pa.Table, *, offsets: dict, shard_rows: int) -> pa.Tabl
     shard = g // shard_rows
     key = np.array([f"{s}/{x:08d}" for s, x in zip(split.tolist(), shard.tolist())], object)
     return pa.table({"key": pa.array(key, pa.string()), "split": b.column("split"), "g": pa.array(g, pa.int64()),
-                     "tokens": b.column("tokens")})
+                     "tokens": b.column("tokens"), "part": b.column("part"), "spans": b.column("spans")})
 
 
 def write_shard_group(group: pa.Table, *, out: str, formats: list[str], window: int, shard_rows: int,
@@ -303,10 +329,15 @@ def write_shard_group(group: pa.Table, *, out: str, formats: list[str], window: 
     # columns > 1: fine-tuning rows, tokens | loss_mask | segment_ids side by side (raytrain/data/examples.py)
     rows = np.asarray(group.column("tokens").combine_chunks().flatten().to_numpy(), np.int32).reshape(-1, window * columns)
     entries, reused = write_shard(storage.join(out, split), start // shard_rows, start, rows, formats, columns=columns)
+    prov = None
+    if group.column("spans").null_count == 0:  # provenance: this shard's span table beside it
+        prov = provenance.write_spans(storage.join(out, split), start // shard_rows,
+                                      sample_ids=group.column("g").to_numpy(), part=group.column("part").to_numpy(),
+                                      spans=group.column("spans"))
     if progress is not None:
         progress.add("write", len(rows), sum(e["bytes"] for e in entries.values()))
     return pa.table({"split": [split], "index": [start // shard_rows], "entries": [json.dumps(entries)],
-                     "reused": [reused]})
+                     "reused": [reused], "spans": [json.dumps(prov)]})
 
 
 def clean_documents(docs: Iterable[str], min_chars: int, max_chars: int, near_dup_threshold: float,

@@ -7,7 +7,9 @@ deployment per version holds the model and batches requests (`@serve.batch`). Bo
 while traffic moves between them, so a canary change, a promotion or a rollback never fails a request.
 
 The router is one replica (it only parses and dispatches; the model deployments are what scale), so the
-traffic split lives in its memory and changes at once for every request after an admin call.
+traffic split lives in its memory and changes at once for every request after an admin call. It also keeps the
+deployment's audit records (raytrain/audit.py): deploy, each traffic change, and one record per generation
+request (digests and lengths of prompt and completion; their text only with `audit_text`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from ray import serve
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from raytrain.audit import AuditWriter, text_fields
 from raytrain.serving import openai_api, streaming
 from raytrain.serving.fields import RequestError, int_field
 
@@ -32,6 +35,8 @@ LATENCY_BOUNDARIES_MS = [5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000]
 # The serving series as Prometheus sees them once observability/prometheus.yml strips Ray's `ray_` prefix.
 ENDPOINTS = ("/predict", "/v1/completions", "/v1/chat/completions", "/v1/models", "/healthz")
 SERVING_METRICS = {"model_requests_total", "model_request_latency_ms", "model_generated_tokens_total"}
+GENERATION = ("/predict", "/v1/completions", "/v1/chat/completions")  # the endpoints audited per request
+ADMIN_EVENTS = {"/admin/traffic": "traffic", "/admin/promote": "promote", "/admin/rollback": "rollback"}
 
 
 # --- model replicas -----------------------------------------------------------------------------------
@@ -53,6 +58,7 @@ class ModelServer:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from raytrain.export import EXPORT_META
+        from raytrain.lineage import model_id
         from raytrain.model import local_model_dir, param_count
 
         cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1)
@@ -67,7 +73,7 @@ class ModelServer:
         meta = json.load(open(meta_path)) if os.path.exists(meta_path) else {}
         self.info_ = {"id": version, "version": version, "params": param_count(self.model), "step": meta.get("step"),
                       "source": uri, "source_checkpoint": meta.get("source_checkpoint"), "context": self.context,
-                      "device": self.device}
+                      "device": self.device, "lineage": model_id(local)}  # its lineage.json's id (`raytrain lineage`)
         self.version, self.chat_template = version, chat_template
         self.served = 0
         self.token_text: dict[int, str] = {}
@@ -266,6 +272,19 @@ class ModelServer:
 # --- ingress ------------------------------------------------------------------------------------------
 
 
+def _prompt_text(path: str, body: dict) -> Optional[str]:
+    """The request's prompt as the audit digests it: /predict's text, /v1/completions' prompt, chat's messages
+    (non-strings as JSON); None when the body has none."""
+    key = "text" if path == "/predict" else "messages" if path == "/v1/chat/completions" else "prompt"
+    v = body.get(key)
+    return v if isinstance(v, str) or v is None else json.dumps(v, ensure_ascii=False)
+
+
+def _joined(texts: list[str]) -> str:
+    """One completion as it is; several (n, a list of prompts) as a JSON list, in choice order."""
+    return texts[0] if len(texts) == 1 else json.dumps(texts, ensure_ascii=False)
+
+
 def _metrics():
     from ray.util.metrics import Counter, Histogram
 
@@ -281,7 +300,7 @@ def _metrics():
 @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=512)
 class Router:
     def __init__(self, stable, stable_version: str, canary=None, canary_version: Optional[str] = None,
-                 canary_fraction: float = 0.0):
+                 canary_fraction: float = 0.0, audit: Optional[dict] = None):
         self.handles = {stable_version: stable}
         if canary is not None:
             if canary_version == stable_version:
@@ -291,6 +310,36 @@ class Router:
         self.fraction = canary_fraction if self.canary else 0.0
         self.rng = random.Random()
         self.m = _metrics()
+        self._audit_start(audit or {})
+
+    # -- audit --
+    def _audit_start(self, audit: dict) -> None:
+        """audit: {uri, text, deployment, models: {version: model uri}}; no uri: no records. The router records for
+        the whole deployment (every request passes it); a restarted router writes as a new writer, and its deploy
+        record says the traffic is back to the deployed split."""
+        self.audit = AuditWriter(audit["uri"]) if audit.get("uri") else None
+        self.audit_text, self.deployment = bool(audit.get("text")), audit.get("deployment")
+        if self.audit is not None:
+            models = audit.get("models") or {}
+            self.audit.record("deploy", flush_now=True, deployment=self.deployment, **self.traffic(),
+                              models={v: models.get(v) for v in self._serving()}, audit_text=self.audit_text)
+
+    def _audit_request(self, ctx: dict, status: int, latency_ms: float) -> None:
+        """One generation request's record: no storage call here, the writer's thread writes it with others."""
+        if self.audit is None:
+            return
+        keep = self.audit_text
+        self.audit.record("request", deployment=self.deployment, endpoint=ctx["endpoint"],
+                          version=None if ctx["version"] == "none" else ctx["version"], status=status,
+                          latency_ms=round(latency_ms, 3), stream=bool(ctx.get("stream")),
+                          prompt_tokens=ctx.get("prompt_tokens"), completion_tokens=ctx.get("completion_tokens"),
+                          **text_fields("prompt", ctx.get("prompt"), keep),
+                          **text_fields("completion", ctx.get("completion"), keep))
+
+    def __del__(self):
+        # Serve calls this at a graceful shutdown: the records still buffered are written before the replica goes.
+        if getattr(self, "audit", None) is not None:
+            self.audit.close()
 
     # -- traffic --
     def _serving(self) -> list[str]:
@@ -310,7 +359,10 @@ class Router:
     async def __call__(self, request: Request):
         t0 = time.perf_counter()
         path = request.url.path.rstrip("/") or "/"
-        ctx = {"version": "none"}  # set once routed: a failure after that counts against the version that had it
+        endpoint = path if path in ENDPOINTS else "other"
+        # version: set once routed (a failure after that counts against the version that had it); the rest is
+        # what the audit record of a generation request says.
+        ctx = {"version": "none", "endpoint": endpoint, "t0": t0}
         try:
             status, body = await self._dispatch(request, path, ctx)
         except RequestError as e:
@@ -318,7 +370,8 @@ class Router:
         except Exception as e:  # noqa: BLE001 - e.g. a replica that died: counted, answered in one line
             status, body = 503, self._error(path, 503, f"the request failed in the server ({type(e).__name__}); retry")
         latency_ms = (time.perf_counter() - t0) * 1e3
-        endpoint = path if path in ENDPOINTS else "other"
+        if endpoint in GENERATION and not (ctx.get("stream") and status == 200):  # a stream records at its end
+            self._audit_request(ctx, status, latency_ms)
         self.m["requests"].inc(tags={"status": str(status), "version": ctx["version"], "endpoint": endpoint})
         if status == 200 and endpoint in ("/predict", "/v1/completions", "/v1/chat/completions"):
             self.m["latency"].observe(latency_ms, tags={"version": ctx["version"], "endpoint": endpoint})
@@ -345,6 +398,7 @@ class Router:
         if path.startswith("/admin/"):
             return self._admin(request, path, await self._json(request) if request.method == "POST" else {})
         body = await self._json(request)
+        ctx["prompt"] = _prompt_text(path, body)
         if path == "/predict":
             text = body.get("text")
             if not isinstance(text, str) or not text:
@@ -353,15 +407,22 @@ class Router:
                    "max_new_tokens": int_field(body, "max_new_tokens", DEFAULT_NEW_TOKENS, 0, 4096)}
             version = ctx["version"] = self._pick(body.get("version"))
             res = await self._call(version, req)
+            ctx.update(completion=res["continuation"], prompt_tokens=res["prompt_tokens"],
+                       completion_tokens=res["completion_tokens"])
             return 200, {k: res[k] for k in ("version", "continuation", "tokens", "logprobs", "prompt_tokens",
                                               "completion_tokens", "cold")}
         parsed = (openai_api.parse_chat if path == "/v1/chat/completions" else openai_api.parse_completion)(body)
         version = ctx["version"] = self._pick(body.get("model"))
         if parsed.stream:
-            return 200, await self._stream(version, parsed)
+            answer = await self._stream(version, parsed, ctx)
+            ctx["stream"] = True
+            return 200, answer
         # One replica request per prompt and choice: Serve batches them with each other and with other clients'.
         results = await asyncio.gather(*(self._call(version, r) for r in parsed.requests()))
-        return 200, openai_api.response(parsed, results, version)
+        out = openai_api.response(parsed, results, version)
+        ctx.update(completion=_joined([r["continuation"] for r in results]),
+                   prompt_tokens=out["usage"]["prompt_tokens"], completion_tokens=out["usage"]["completion_tokens"])
+        return 200, out
 
     async def _json(self, request: Request) -> dict:
         ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
@@ -384,7 +445,7 @@ class Router:
             self.m["tokens"].inc(res["completion_tokens"], tags={"version": version})
         return res
 
-    async def _stream(self, version: str, parsed: openai_api.Parsed) -> StreamingResponse:
+    async def _stream(self, version: str, parsed: openai_api.Parsed, ctx: dict) -> StreamingResponse:
         """One replica stream per prompt and choice (batched like any request). The answer starts once each
         choice is accepted, so a refused request is a 4xx rather than a broken stream; then chunks follow
         as the tokens are generated."""
@@ -400,11 +461,12 @@ class Router:
             for g in gens:
                 g.cancel()
             raise
-        return StreamingResponse(self._events(version, parsed, gens, firsts), media_type="text/event-stream")
+        return StreamingResponse(self._events(version, parsed, gens, firsts, ctx), media_type="text/event-stream")
 
-    async def _events(self, version: str, parsed: openai_api.Parsed, gens: list, firsts: list[dict]):
-        """The choices' replica events merged in arrival order, as server-sent OpenAI chunks."""
-        shape, arrived = openai_api.StreamShaper(parsed, version), asyncio.Queue()
+    async def _events(self, version: str, parsed: openai_api.Parsed, gens: list, firsts: list[dict], ctx: dict):
+        """The choices' replica events merged in arrival order, as server-sent OpenAI chunks; the request's audit
+        record once it ends (499: the client went away first)."""
+        shape, arrived, status = openai_api.StreamShaper(parsed, version), asyncio.Queue(), 499
 
         async def pump(i: int, gen) -> None:
             try:
@@ -421,6 +483,7 @@ class Router:
             while left:
                 i, evs = await arrived.get()
                 if "failed" in evs[-1]:
+                    status = 503
                     yield openai_api.sse_event(openai_api.error_body(
                         503, f"the stream failed in the server ({evs[-1]['failed']}); retry"))
                     break
@@ -433,12 +496,18 @@ class Router:
                 if text:
                     yield text
             tail = shape.close() if not left else []
+            status = 200 if status == 499 else status
             yield "".join(openai_api.sse_event(chunk) for chunk in tail) + openai_api.SSE_DONE
         finally:  # also when the client goes away mid-stream
             for t in pumps:
                 t.cancel()
             for g in gens:
                 g.cancel()
+            results = [shape.results[i] for i in sorted(shape.results)]
+            ctx.update(completion=_joined([r["continuation"] for r in results]) if results else None,
+                       prompt_tokens=sum(r["prompt_tokens"] for r in results[::parsed.n]) if results else None,
+                       completion_tokens=sum(r["completion_tokens"] for r in results) if results else None)
+            self._audit_request(ctx, status, (time.perf_counter() - ctx["t0"]) * 1e3)
 
     async def _models(self) -> dict:
         roles = {self.stable: "stable", **({self.canary: "canary"} if self.canary else {})}
@@ -460,7 +529,10 @@ class Router:
         elif getattr(request.client, "host", None) not in ("127.0.0.1", "::1", "localhost"):
             raise RequestError(403, "Ray token authentication is off: traffic changes are accepted from the "
                                "serving machine only (or start Ray with RAY_AUTH_MODE=token)")
-        if path == "/admin/traffic" and request.method == "POST":
+        if request.method != "POST":
+            return 200, self.traffic()
+        before, version = self.traffic(), self.canary
+        if path == "/admin/traffic":
             f = body.get("canary_fraction")
             if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f <= 1:
                 raise RequestError(422, f"'canary_fraction' must be a number in [0, 1], got {f!r}")
@@ -475,14 +547,18 @@ class Router:
             if not self.canary:
                 raise RequestError(409, "no canary to roll back")
             self.canary, self.fraction = None, 0.0
+        if self.audit is not None:  # written at once (flush_now): traffic changes are rare and must not wait
+            self.audit.record(ADMIN_EVENTS[path], flush_now=True, deployment=self.deployment, version=version,
+                              before=before, after=self.traffic(), client=getattr(request.client, "host", None))
         return 200, self.traffic()
 
 
 def build(stable_uri: str, stable_version: str, *, canary_uri: Optional[str] = None,
           canary_version: Optional[str] = None, canary_fraction: float = 0.0, replicas: int = 1, max_replicas: Optional[int] = None, num_cpus: float = 1,
           num_gpus: float = 0, max_batch_size: int = 8, batch_wait_timeout_s: float = 0.005,
-          chat_template: str = "default"):
-    """The Serve application: a router and one model deployment per version."""
+          chat_template: str = "default", audit_uri: Optional[str] = None, audit_text: bool = False):
+    """The Serve application: a router and one model deployment per version; the router's audit records go under
+    `audit_uri` (none without one), prompt and completion text only with `audit_text`."""
     scale = ({"autoscaling_config": {"min_replicas": replicas, "max_replicas": max_replicas,
                                      "target_ongoing_requests": max_batch_size}}
              if max_replicas and max_replicas > replicas else {"num_replicas": replicas})
@@ -493,7 +569,11 @@ def build(stable_uri: str, stable_version: str, *, canary_uri: Optional[str] = N
     if canary_uri:
         canary = ModelServer.options(name="canary", **opts).bind(canary_uri, canary_version, max_batch_size,
                                                                  batch_wait_timeout_s, chat_template=chat_template)
-    return Router.bind(stable, stable_version, canary, canary_version, canary_fraction)
+    # One id per deployment, kept by a restarted router: a reader groups a deployment's records by it.
+    deployment = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.urandom(4).hex()}"
+    audit = {"uri": audit_uri, "text": audit_text, "deployment": deployment,
+             "models": {stable_version: stable_uri, **({canary_version: canary_uri} if canary_uri else {})}}
+    return Router.bind(stable, stable_version, canary, canary_version, canary_fraction, audit=audit)
 
 
 def app_builder(args: dict):
@@ -501,14 +581,17 @@ def app_builder(args: dict):
 
     args: model (exported dir, run or RUN@TAG), version, canary, canary_version, canary_fraction, replicas,
     max_replicas, num_cpus, num_gpus (default: 1 when the cluster has GPUs), max_batch_size, batch_wait_timeout_s,
-    chat_template ("default": raytrain's template for models without one; "none": chat answers 400 for them).
+    chat_template ("default": raytrain's template for models without one; "none": chat answers 400 for them),
+    audit (where the audit records go; default `<model dir>.audit`, "none": no records), audit_text (also keep
+    prompt and completion text; default false).
     """
     import ray
 
+    from raytrain.audit import serve_root
     from raytrain.serving.source import resolve
 
     known = {"model", "version", "canary", "canary_version", "canary_fraction", "replicas", "max_replicas",
-             "num_cpus", "num_gpus", "max_batch_size", "batch_wait_timeout_s", "chat_template"}
+             "num_cpus", "num_gpus", "max_batch_size", "batch_wait_timeout_s", "chat_template", "audit", "audit_text"}
     unknown = set(args) - known
     if unknown or "model" not in args:
         raise ValueError(f"raytrain serve args: unknown {sorted(unknown)}, required 'model'; known: {sorted(known)}")
@@ -523,4 +606,6 @@ def app_builder(args: dict):
                  max_replicas=args.get("max_replicas"), num_cpus=float(args.get("num_cpus", 1)), num_gpus=float(gpus),
                  max_batch_size=int(args.get("max_batch_size", 8)),
                  batch_wait_timeout_s=float(args.get("batch_wait_timeout_s", 0.005)),
-                 chat_template=str(args.get("chat_template", "default")))
+                 chat_template=str(args.get("chat_template", "default")),
+                 audit_uri=None if args.get("audit") == "none" else args.get("audit") or serve_root(stable.uri),
+                 audit_text=bool(args.get("audit_text", False)))

@@ -157,7 +157,8 @@ class UrlCheck:
         self.stable = body.get("stable")
         self.out["versions"] = self.served
         return self.record("models", self.stable in self.served, f"GET /v1/models -> {status}: " + ", ".join(
-            f"{v} ({m['role']}, {m['params']:,} params, step {m['step']})" for v, m in self.served.items()))
+            f"{v} ({m['role']}, {m['params']:,} params, step {m['step']}, lineage {m.get('lineage')})"
+            for v, m in self.served.items()))
 
     def predict(self, prompt: str, max_new_tokens: int) -> None:
         status, res, dt = self.client.request("POST", "/predict", {"text": prompt, "max_new_tokens": max_new_tokens})

@@ -33,9 +33,9 @@ def serve_forever(model: str, port: int = 8000, host: str = "127.0.0.1", version
                   canary: Optional[str] = None, canary_version: Optional[str] = None, canary_fraction: float = 0.0,
                   replicas: int = 1, max_replicas: Optional[int] = None, num_cpus: float = 1,
                   max_batch_size: int = 8, chat_template: str = "default", metrics_port: Optional[int] = None, ready_file: Optional[str] = None,
-                  log: Callable[[str], None] = print) -> int:
+                  audit: Optional[str] = None, audit_text: bool = False, log: Callable[[str], None] = print) -> int:
     """Deploy, print the endpoints, block until SIGINT / SIGTERM, then delete the application (and stop the
-    local Ray instance when this process started it)."""
+    local Ray instance when this process started it). Audit records go to `audit` (see `audit_root`)."""
     from raytrain.serving.source import resolve
 
     ray_connect.check_address("serve")  # before a model is resolved (which may export a checkpoint)
@@ -47,6 +47,7 @@ def serve_forever(model: str, port: int = 8000, host: str = "127.0.0.1", version
     can = resolve(canary, canary_version, log=log) if canary else None
     if can and can.version == stable.version:
         raise UserError(f"both versions are called {stable.version!r}; name them apart with --version / --canary-version")
+    audit_uri = audit_root(audit, stable.uri)
     if ray_connect.resolve() in ray_connect.LOCAL and not _port_free(host, port):  # a local instance serves here
         raise UserError(f"port {port} on {host} is in use; pass another --port")
 
@@ -69,7 +70,7 @@ def serve_forever(model: str, port: int = 8000, host: str = "127.0.0.1", version
         app = build(stable.uri, stable.version, canary_uri=can.uri if can else None,
                     canary_version=can.version if can else None, canary_fraction=canary_fraction, replicas=replicas,
                     max_replicas=max_replicas, num_cpus=num_cpus, num_gpus=gpus, max_batch_size=max_batch_size,
-                    chat_template=chat_template)
+                    chat_template=chat_template, audit_uri=audit_uri, audit_text=audit_text)
         t0 = time.time()
         try:
             serve.run(app, name=APP_NAME, route_prefix="/")
@@ -81,7 +82,8 @@ def serve_forever(model: str, port: int = 8000, host: str = "127.0.0.1", version
             f"(ready in {time.time() - t0:.1f}s)\n"
             f"  curl -X POST {url}/predict -H 'Content-Type: application/json' -d '{{\"text\": \"...\"}}'\n"
             f"  POST /v1/completions, POST /v1/chat/completions (OpenAI clients: base_url={url}/v1), GET /healthz, "
-            f"GET /v1/models; Ctrl-C stops")
+            f"GET /v1/models; Ctrl-C stops\n"
+            f"  audit records: {audit_uri or 'off'}{' (with prompt and completion text)' if audit_text else ''}")
         if ready_file:
             with open(ready_file, "w") as f:
                 json.dump({"url": url, "stable": stable.version, "canary": can.version if can else None}, f)
@@ -100,6 +102,23 @@ def serve_forever(model: str, port: int = 8000, host: str = "127.0.0.1", version
             if started:
                 ray.shutdown()
     return 0
+
+
+def audit_root(audit: Optional[str], model_uri: str) -> Optional[str]:
+    """Where the deployment's audit records go: `audit`, else beside the served model (`<model dir>.audit`);
+    None for "none". Checked writable before anything is deployed."""
+    from raytrain import storage
+    from raytrain.audit import serve_root
+
+    if audit == "none":
+        return None
+    uri = storage.absolute(audit or serve_root(model_uri))
+    try:
+        storage.check_writable(uri)
+    except UserError as e:
+        raise UserError(f"cannot write audit records to {uri} ({e}); pass --audit URI (a writable directory) or "
+                        f"--audit none") from None
+    return uri
 
 
 def traffic(url: str, action: str, fraction: Optional[float] = None, timeout_s: float = 30) -> dict:

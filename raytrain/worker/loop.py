@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from raytrain.config import Config
 from raytrain.console import say
+from raytrain.audit import run_event
 from raytrain.rundir import RESTORES, RunDir
 from raytrain.data.manifest import Split
 from raytrain.ds_config import build_ds_config, resolve_dtype
@@ -74,8 +75,7 @@ class WorkerRun:
         self.cuda, self.device = _device(cfg, ray.train.torch)
         device = self.device
         # Resume point first: host memory (this node's snapshot of the newest step every rank holds), else the newest
-        # committed checkpoint in the run directory (our manifests, not Ray's registry, which can miss the newest);
-        # one written by another number of workers is loaded through DeepSpeed's universal format.
+        # committed checkpoint in the run directory (our manifests); another world size's goes through universal form.
         self.faults = Faults(loop_config.get("inject"), rank=rank, global_batch=cfg.global_batch)
         self.memory = MemoryTier(cfg.checkpoint, run_uri=cfg.run_uri, rank=rank, world=world,
                                  enabled=cfg.deepspeed.tensor_parallel_size == 1, drill_delay_s=self.faults.snapshot_delay_s)
@@ -110,6 +110,7 @@ class WorkerRun:
             self.state.lora_base = self.lora_base
         self.boot["restore"] = time.time()
         self.resumed_from = dir_name(self.state.step) if resumed else None
+        self.audit = self._resume_audit(resumed, earlier_attempts)
         self.data = self._data_plane((self.state.step, self.state.samples_seen), dp_rank, self.dp_size, loop_config,
                                      train_split)  # the early one if the restore landed where it was predicted
         self.loss = StepLoss(cfg.data, window=train_split.seq_len + 1, accumulation=cfg.accumulation, world=world,
@@ -266,6 +267,12 @@ class WorkerRun:
         communication-failure diagnosis removed (rank 0; the others have nothing to do)."""
         if self.rank != 0:
             return
+        if self.audit is not None:
+            run_event(self.cfg.run_uri, "resume", **self.audit)
+            if self.audit["from_world_size"] != self.audit["world_size"]:
+                run_event(self.cfg.run_uri, "resize", step=self.audit["step"],
+                          from_world_size=self.audit["from_world_size"], to_world_size=self.audit["world_size"])
+            self.audit = None
         self.records.open()
         self.downstream.open(logged=self.log.history)
         self.cadence.seed([r["ckpt_stall_s"] for r in self.log.history if isinstance(r.get("ckpt_stall_s"), (int, float))])
@@ -317,7 +324,8 @@ class WorkerRun:
         """The model, built for this config (ZeRO-3 partitioned as it is created, ZeRO-0/1/2 in the training
         dtype), and its DeepSpeed engine, which reuses the process group Ray Train set up."""
         cfg, cuda = self.cfg, self.cuda
-        resharding = resumed is not None and peek_state(resumed).world_size != self.world
+        self.ckpt_world = peek_state(resumed).world_size if resumed is not None else self.world
+        resharding = self.ckpt_world != self.world
         vocab = cfg.model.vocab_size or train_split.vocab_size
         # Native bf16 only: torch also says yes for pre-Ampere GPUs that emulate it (slowly); those get fp16.
         self.dtype = resolve_dtype(cfg, cuda, cuda and torch.cuda.is_bf16_supported(including_emulation=False))
@@ -378,6 +386,16 @@ class WorkerRun:
                                f"from {where} in storage")
         return resumed
 
+    def _resume_audit(self, resumed, earlier_attempts: int) -> Optional[dict]:
+        """The attempt's resume audit record (raytrain/audit.py), written with the attempt's other records after its
+        first step: nothing touches storage between a fault and the first resumed step. None on a fresh start."""
+        if resumed is None and self.from_memory is None:
+            return None
+        return {"step": self.state.step, "samples_seen": self.state.samples_seen, "checkpoint": self.resumed_from,
+                "source": "memory" if self.from_memory is not None else "storage", "attempt": earlier_attempts,
+                "world_size": self.world,
+                "from_world_size": self.ckpt_world if self.from_memory is None else self.world}
+
     def _restore(self, resumed, earlier_attempts: int) -> TrainState:
         """Engine, RNG and counters from the resume point (collective), or a fresh state."""
         state = TrainState(world_size=self.world, global_batch=self.cfg.global_batch)
@@ -436,6 +454,8 @@ class WorkerRun:
             # Which samples this step trained on, from the plan (resumed runs are checked against it), and the
             # checksum of the rows it trained on, as read (data/content_checksum.py).
             "batch_crc32": self.data.fingerprint(), "content_checksum": verdict.content,
+            # Where this step's batch starts in the sample stream: `raytrain data trace` anchors on it.
+            "data_position": self.state.samples_seen - gb,
             **self.data.stats(world, win.since_start(), self.state.samples_seen),
         })
         if self.dtype == "fp16":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from raytrain.audit import run_event
 from raytrain.ckpt.restore import find_resume_point, restore
 from raytrain.ckpt.state import TrainState
 from raytrain.console import say
@@ -46,6 +47,9 @@ def roll_back(violation, *, tel, engine, state: TrainState, bad_step: int, bad_s
                             "skipped": [restored.samples_seen, new.samples_seen]})
     tel.health.restarted()
     if tel.rank == 0:
+        run_event(run_uri, "rollback", source="health", rule=v.rule, message=v.message, bad_step=bad_step,
+                  resumed_from=restored.step, bad_batch=[bad_start, bad_start + global_batch],
+                  skipped=[restored.samples_seen, new.samples_seen], rollbacks=tel.rollbacks)
         say(f"rollback {tel.rollbacks}/{h.max_rollbacks}: {v.message}; back to step {restored.step}, skipping "
             f"samples {restored.samples_seen}..{new.samples_seen - 1} of the data stream (bad batch from {bad_start})")
     return new

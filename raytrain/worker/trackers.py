@@ -31,7 +31,7 @@ NOTE_S = 2.0  # how often the step sent through is noted in trackers.json (a sma
 STOP = object()
 # Fields of a record that are not figures to plot: the step itself, the wall clock (the metric's
 # timestamp), and the batch fingerprint (an id; a float would round it).
-NOT_METRICS = {"step", "time", "batch_crc32", "content_checksum"}
+NOT_METRICS = {"step", "time", "batch_crc32", "content_checksum", "data_position"}
 TEXT_FIELDS = ("checkpoint", "event", "rule", "resumed_from")  # sent as text (W&B) / tags (MLflow)
 
 
