@@ -378,6 +378,21 @@ def _retired_in(tree: Any) -> list[str]:
     return [k for k in RETIRED if isinstance(tree.get(k.split(".")[0]), dict) and k.split(".")[1] in tree[k.split(".")[0]]]
 
 
+class StorageSection(Section):
+    sse: Literal["", "AES256", "aws:kms"] = Field("", description="server-side encryption raytrain asks for on every S3 object it writes itself (AES256: SSE-S3, aws:kms: SSE-KMS); sets RAYTRAIN_S3_SSE for the run's processes. Ray Train's own files rely on the bucket's default encryption (docs/CLUSTERS.md)")
+    kms_key_id: Optional[str] = Field(None, description="sse=aws:kms: the KMS key (default: the account's aws/s3 key); sets RAYTRAIN_S3_SSE_KMS_KEY_ID")
+    allow_http: bool = Field(False, description="accept a plain http:// S3 endpoint outside 127.0.0.0/8 (object traffic unencrypted); sets RAYTRAIN_S3_ALLOW_HTTP")
+
+    def apply(self) -> None:
+        """Into this process's environment, which every Ray process of the run inherits (raytrain/ray_connect.py)."""
+        from raytrain import storage
+
+        for var, value in ((storage.SSE, self.sse), (storage.SSE_KMS_KEY_ID, self.kms_key_id or ""),
+                           (storage.ALLOW_HTTP, "1" if self.allow_http else "")):
+            if value:
+                os.environ[var] = value
+
+
 class Config(Section):
     """A whole run. `raytrain config --config NAME` prints it resolved."""
 
@@ -394,6 +409,7 @@ class Config(Section):
     health: HealthSection = Field(default_factory=HealthSection)
     eval: EvalSection = Field(default_factory=EvalSection)
     cost: CostSection = Field(default_factory=CostSection)
+    storage: StorageSection = Field(default_factory=StorageSection)
 
     @model_validator(mode="before")
     @classmethod

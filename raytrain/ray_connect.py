@@ -30,7 +30,9 @@ from raytrain.errors import UserError
 
 # Non-secret S3 settings that workers need to see the same endpoint as the driver. Credentials are
 # never forwarded: every node gets them from its own AWS provider chain (instance profile, env, files).
-FORWARDED_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION")
+FORWARDED_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION",
+                 # encryption of object traffic and objects (raytrain/storage.py): the same in every process
+                 "RAYTRAIN_S3_ALLOW_HTTP", "RAYTRAIN_S3_SSE", "RAYTRAIN_S3_SSE_KMS_KEY_ID")
 LOCAL = (None, "", "local")
 # Commands whose config has scaling.address; the others are pointed at RAY_ADDRESS.
 _SETTING = {"train": "scaling.address", "tune": "scaling.address"}

@@ -24,17 +24,61 @@ def is_remote(uri: str) -> bool:
     return "://" in uri and not uri.startswith("file://")
 
 
+# Encryption settings of every S3 client of every process (forwarded to Ray's workers: raytrain/ray_connect.py).
+ALLOW_HTTP = "RAYTRAIN_S3_ALLOW_HTTP"  # 1: an http:// endpoint outside 127.0.0.0/8 is accepted (plain text on the wire)
+SSE = "RAYTRAIN_S3_SSE"  # AES256 (SSE-S3) or aws:kms (SSE-KMS): asked for on every object raytrain writes itself
+SSE_KMS_KEY_ID = "RAYTRAIN_S3_SSE_KMS_KEY_ID"  # with aws:kms: the key (default: the account's aws/s3 key)
+SSE_MODES = ("AES256", "aws:kms")
+
+
+def endpoint() -> Optional[tuple[str, str]]:
+    """(scheme, host[:port]) of the configured S3 endpoint (AWS_ENDPOINT_URL(_S3)), None for AWS's own. An http://
+    endpoint is refused unless it is on this machine (127.0.0.0/8, localhost) or RAYTRAIN_S3_ALLOW_HTTP=1: object
+    traffic carries model weights and data."""
+    url = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    if not url:
+        return None
+    if "://" not in url:
+        url = "https://" + url  # AWS tools assume https when no scheme is given
+    parsed = urlparse(url)
+    scheme, host = parsed.scheme or "https", parsed.netloc or parsed.path
+    if scheme == "http" and not _loopback(parsed.hostname or "") and os.environ.get(ALLOW_HTTP) != "1":
+        raise UserError(f"S3 endpoint {scheme}://{host} is plain http outside this machine: object traffic (weights, "
+                        f"data) would cross the network unencrypted; use https://, or set {ALLOW_HTTP}=1 to accept it")
+    return scheme, host
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def sse() -> dict:
+    """boto3's server-side encryption arguments for raytrain's own writes ({} when RAYTRAIN_S3_SSE is unset)."""
+    mode = os.environ.get(SSE, "")
+    if not mode:
+        return {}
+    if mode not in SSE_MODES:
+        raise UserError(f"{SSE}={mode!r}: use AES256 (SSE-S3) or aws:kms (SSE-KMS, with {SSE_KMS_KEY_ID})")
+    out = {"ServerSideEncryption": mode}
+    if mode == "aws:kms" and os.environ.get(SSE_KMS_KEY_ID):
+        out["SSEKMSKeyId"] = os.environ[SSE_KMS_KEY_ID]
+    return out
+
+
 def _s3_filesystem() -> pafs.S3FileSystem:
     # pyarrow reads credentials from the AWS provider chain itself; we only pass the endpoint so
     # that http:// endpoints (a local S3-protocol server) get the right scheme.
     kwargs = {}
-    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-    if endpoint:
-        if "://" not in endpoint:
-            endpoint = "https://" + endpoint  # AWS tools assume https when no scheme is given
-        parsed = urlparse(endpoint)
-        kwargs["endpoint_override"] = parsed.netloc or parsed.path
-        kwargs["scheme"] = parsed.scheme or "https"
+    ep = endpoint()
+    if ep:
+        kwargs["scheme"], kwargs["endpoint_override"] = ep
     region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
     if region:
         kwargs["region"] = region
@@ -295,11 +339,32 @@ def write_bytes(uri: str, data: bytes) -> None:
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
+        elif sse():
+            # pyarrow cannot ask for server-side encryption per object: boto3 can (still one atomic PUT).
+            _put_s3(path, data, uri)
         else:
             # An S3 PUT is atomic: the object appears whole or not at all.
             with fs.open_output_stream(path) as f:
                 f.write(data)
     except OSError as e:
+        raise _fail(uri, e, "write") from None
+
+
+_CLIENTS: dict = {}
+
+
+def _put_s3(path: str, data: bytes, uri: str) -> None:
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    bucket, _, key = path.partition("/")
+    # One client per process and settings: making one costs tens of milliseconds, and they are thread-safe.
+    settings = (endpoint(), _s3_limits(), os.environ.get("AWS_ACCESS_KEY_ID"))
+    client = _CLIENTS.get(settings)
+    if client is None:
+        client = _CLIENTS[settings] = _s3_client()
+    try:
+        client.put_object(Bucket=bucket, Key=key, Body=data, **sse())
+    except (BotoCoreError, ClientError) as e:
         raise _fail(uri, e, "write") from None
 
 
@@ -329,10 +394,12 @@ _CHUNK = 16 << 20
 
 def _s3_client():
     """boto3 for bulk uploads, with the same timeouts and retries as the pyarrow filesystem. boto3 reads
-    AWS_ENDPOINT_URL(_S3), the region and credentials from the standard AWS settings itself."""
+    AWS_ENDPOINT_URL(_S3), the region and credentials from the standard AWS settings itself (checked here as the
+    pyarrow filesystem checks them: no plain http:// outside this machine)."""
     import boto3
     from botocore.config import Config as BotoConfig
 
+    endpoint()
     connect_s, request_s, attempts = _s3_limits()
     return boto3.client("s3", config=BotoConfig(connect_timeout=connect_s, read_timeout=request_s,
                                                 retries={"max_attempts": attempts, "mode": "standard"},
@@ -354,7 +421,7 @@ def _upload_dir_s3(local_dir: str, path: str) -> None:
 
     def put(p: Path) -> None:
         key = f"{prefix}/{p.relative_to(local_dir).as_posix()}" if prefix else p.relative_to(local_dir).as_posix()
-        client.upload_file(str(p), bucket, key, Config=cfg)
+        client.upload_file(str(p), bucket, key, Config=cfg, ExtraArgs=sse() or None)
 
     with ThreadPoolExecutor(max_workers=max(1, min(8, len(files)))) as pool:
         for f in [pool.submit(put, p) for p in files]:

@@ -233,6 +233,7 @@ def train(cfg: Config, log: Callable[[str], None] = print, inject: Optional[dict
     from raytrain.restart_phases import make_clock
     from raytrain.worker.loop import train_loop_per_worker
 
+    cfg.storage.apply()  # encryption of object traffic and objects, before the first S3 call and every Ray process
     cfg = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(
         update={"storage": storage.absolute(cfg.checkpoint.storage)})})
     train_split, val_split = check_inputs(cfg)

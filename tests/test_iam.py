@@ -53,8 +53,13 @@ def for_moto(policy: dict) -> dict:
     - moto passes no request context to conditions, so a condition on `s3:prefix` always fails (and moto then
       denies outright): the worker's ListBucket statement is enforced without its prefix condition, and the
       test checks every prefix raytrain listed against the condition's patterns instead (`listed_prefixes`).
+    - moto evaluates no `aws:SecureTransport` condition (it takes a conditional Deny as unconditional, refusing
+      everything): the TLS-only statement is left out here and checked over the documents instead
+      (test_every_s3_policy_refuses_requests_without_tls).
     Statements on other services (ec2, iam) never match an S3 request and are kept as they are."""
     out = json.loads(json.dumps(policy))
+    out["Statement"] = [st for st in out["Statement"]
+                        if "aws:SecureTransport" not in json.dumps(st.get("Condition", {}))]
     for st in out["Statement"]:
         actions = [st["Action"]] if isinstance(st["Action"], str) else st["Action"]
         if "s3:ListBucket" in actions:
@@ -188,6 +193,19 @@ def test_linter_finds_nothing_above_low_but_the_documented_pair():
                 assert f.name == POLICIES["head"], finding.issue  # only the head may launch with the worker role
     assert not above_low
     assert "iam:PassRole" in (IAM / "README.md").read_text()
+
+
+def test_every_s3_policy_refuses_requests_without_tls():
+    """Each shipped policy denies every S3 action on the bucket and its objects over plain HTTP (moto cannot enforce
+    the condition: checked here, on the documents), and that statement is the only Deny."""
+    for name in POLICIES:
+        policy = shipped(name)
+        denies = [st for st in policy["Statement"] if st["Effect"] == "Deny"]
+        assert len(denies) == 1, name
+        (st,) = denies
+        assert st["Action"] == ["s3:*"] and st["Condition"] == {"Bool": {"aws:SecureTransport": "false"}}, name
+        assert set(st["Resource"]) == {f"arn:aws:s3:::{BUCKET}", f"arn:aws:s3:::{BUCKET}/*"}, name
+        assert st not in for_moto(policy)["Statement"]
 
 
 def _statements(policy: dict, action: str) -> list[dict]:

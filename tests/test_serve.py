@@ -256,6 +256,53 @@ def test_openai_completions_models_and_health(server):
     assert status == 200 and health["status"] == "ok"
 
 
+def _sha(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.mark.slow
+def test_the_served_fine_tune_leads_to_both_datasets_raw_files(run, server, corpus_dir, capsys):
+    """Lineage (raytrain/lineage.py): the served canary, a LoRA fine-tune of the stable run's export, exported too;
+    its lineage.json leads to the chat data's raw file and, through the base's own lineage, to the pre-training
+    corpus files, each with its size and sha256; /v1/models shows the same id; a changed input is reported."""
+    from raytrain import lineage
+    from raytrain.export import export
+
+    run_uri, _, ft_uri, _ = run
+    root = Path(run_uri).parent
+    model = root / "ft-export"
+    out = export(catalog.latest_complete(ft_uri).uri, str(model), log=lambda *_: None)
+    lin = json.loads((model / "lineage.json").read_text())
+    assert lin["id"] == out["lineage"] == lineage.lineage_id(lin)
+    _, models = _get(server["url"], "/v1/models")
+    assert {m["id"]: m["lineage"] for m in models["data"]}[CANARY] == lin["id"]  # served from the run: the same id
+    inputs = lambda li: {i["uri"]: i for s in li["data"] for i in s["inputs"]}  # noqa: E731
+    chats = root / "chats.jsonl"
+    assert inputs(lin) == {str(chats): {"uri": str(chats), "bytes": chats.stat().st_size, "sha256": _sha(chats)}}
+    assert lin["base"]["uri"] == str(root / "base") and lin["base"]["lineage"]["base"] is None
+    pre = inputs(lin["base"]["lineage"])
+    assert set(pre) == {str(p) for p in corpus_dir.iterdir()}
+    assert all(pre[u]["sha256"] == _sha(Path(u)) and pre[u]["bytes"] == Path(u).stat().st_size for u in pre)
+    assert main(["lineage", str(model)]) == 0
+    assert capsys.readouterr().out.startswith(f"lineage {lin['id']}: run ")
+    assert main(["check", str(model), "-n", "1", "--max-new-tokens", "2"]) == 0  # the release gate names it too
+    assert f"lineage {lin['id']}" in capsys.readouterr().out
+    # A pre-training file edited: reported as changed, through the base (exit 1); then as before.
+    edited = sorted(corpus_dir.iterdir())[0]
+    saved = edited.read_bytes()
+    try:
+        edited.write_bytes(saved + b" edited")
+        assert main(["lineage", str(model), "--json"]) == 1
+        (changed,) = json.loads(capsys.readouterr().out)["changed"]
+        assert (changed["uri"], changed["status"], changed["where"]) == (str(edited), "changed", "fine-tuned > served")
+    finally:
+        edited.write_bytes(saved)
+    assert main(["lineage", str(model), "--json"]) == 0
+    capsys.readouterr()
+
+
 @pytest.mark.slow
 def test_check_url_passes_with_consistent_logprobs(server, tmp_path, capsys):
     rc = main(["check", "--url", server["url"], "--requests", "40", "--concurrency", "4", "--samples", "4",

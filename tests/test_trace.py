@@ -102,7 +102,7 @@ def test_trace_refuses_data_prepared_without_provenance(tmp_path, capsys):
     with pytest.raises(UserError, match="prepared with provenance=false"):
         Provenance(str(tmp_path / "d" / "train"))
     m = json.loads((tmp_path / "d" / "train" / "manifest.json").read_text())["provenance"]
-    assert m["inputs"] and not m["spans"] and not (tmp_path / "d" / "train" / "provenance").exists()
+    assert m["inputs"] is None and not m["spans"] and not (tmp_path / "d" / "train" / "provenance").exists()
     # The same refusal from a command: one line, exit 2.
     assert main(["data", "contamination", str(tmp_path / "d"), "--file", str(tmp_path / "in.txt")]) == 2
     err = capsys.readouterr().err

@@ -13,16 +13,17 @@ def scan(uri: str, *, index: NgramIndex, split: str = "train") -> dict:
     (their content hash is in its document tables, streamed)."""
     from raytrain import storage
     from raytrain.data.prepare import PrepareConfig
-    from raytrain.data.provenance import Provenance
+    from raytrain.data.provenance import HASH_BYTES, Provenance
 
     prov = Provenance(storage.join(storage.absolute(uri), split), f"contamination: {uri}")
     cfg = PrepareConfig(**{k: v for k, v in prov.prepare.items() if k in PrepareConfig.model_fields})
     flagged = flag_inputs(cfg, index)
-    hashes = {bytes.fromhex(f["h"]) for f in flagged}
+    key = lambda f: bytes.fromhex(f["h"])[:HASH_BYTES]  # noqa: E731 - what the document tables keep of the hash
+    hashes = {key(f) for f in flagged}
     in_split: set = set()
     for path in prov.document_tables():  # one table at a time: memory as one partition's hashes
         in_split |= hashes & set(prov.table(path, columns=["h"]).column("h").to_pylist())
-    found = [f for f in flagged if bytes.fromhex(f["h"]) in in_split]
+    found = [f for f in flagged if key(f) in in_split]
     return {"split": prov.uri, "ngram": index.n, "evaluation_documents": index.documents, "contaminated": found}
 
 

@@ -260,7 +260,8 @@ def run(cfg, out: str, make_tokenizer: Callable[[Optional[list[str]]], tuple], l
     with user_errors_from_ray():
         r = (_run_ray if ray_engine else _run_local)(cfg, src, out, make_tokenizer, log)
         # What the output was made from, for lineage (raytrain/lineage.py): one more read of each input file.
-        r["inputs"] = provenance.input_digests(src.files, cfg.max_chars if src.builtin else None, ray_engine)
+        r["inputs"] = provenance.input_digests(src.files, cfg.max_chars if src.builtin else None, ray_engine) \
+            if cfg.provenance else None
     if contamination is not None:
         r["decontaminate"] = {"ngram": dc.ngram, "evaluation_documents": per_source,
                               "dropped": int(r["counts"].get("dropped_contaminated", 0))}

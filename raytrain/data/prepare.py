@@ -175,7 +175,7 @@ def prepare(cfg: PrepareConfig, log=print) -> dict:
             "prepare": cfg.model_dump(mode="json"),
         }
         prov = r["provenance"][split]
-        manifest["provenance"] = {"version": provenance.VERSION, "inputs": r["inputs"],
+        manifest["provenance"] = {"version": provenance.VERSION, "inputs": r["inputs"],  # None: provenance=false
                                   "documents": prov["documents"] if cfg.provenance else [],
                                   "spans": prov["spans"] if cfg.provenance else []}
         if not manifest["provenance"]["spans"]:
