@@ -285,8 +285,10 @@ def test_the_served_fine_tune_leads_to_both_datasets_raw_files(run, server, corp
     pre = inputs(lin["base"]["lineage"])
     assert set(pre) == {str(p) for p in corpus_dir.iterdir()}
     assert all(pre[u]["sha256"] == _sha(Path(u)) and pre[u]["bytes"] == Path(u).stat().st_size for u in pre)
+    capsys.readouterr()
     assert main(["lineage", str(model)]) == 0
-    assert capsys.readouterr().out.startswith(f"lineage {lin['id']}: run ")
+    text = capsys.readouterr().out
+    assert text.startswith(f"lineage {lin['id']}: model {model}") and "\n0 of " in text and "changed since" in text
     assert main(["check", str(model), "-n", "1", "--max-new-tokens", "2"]) == 0  # the release gate names it too
     assert f"lineage {lin['id']}" in capsys.readouterr().out
     # A pre-training file edited: reported as changed, through the base (exit 1); then as before.
