@@ -20,19 +20,23 @@ def add_parser(subparsers):
     ch.add_argument("--data", default=None, help="also check perplexity on this prepared val split against training's")
     ch.add_argument("--max-loss-diff", type=float, default=1e-3, help="allowed |val loss - reported| with --data")
     ch.add_argument("--json", action="store_true")
-    ch.add_argument("--url", default=None, help="HTTP launch check of a running `raytrain serve`: health, one predict, "
+    ch.add_argument("--url", default=None, help="HTTP(S) launch check of a running `raytrain serve`: health, one predict, "
                     "consistency with the offline model, load test")
     ch.add_argument("--requests", type=int, default=200, help="--url: load-test requests")
     ch.add_argument("--concurrency", type=int, default=8, help="--url: requests in flight at once")
     ch.add_argument("--samples", type=int, default=8, help="--url: held-out samples for the consistency check")
     ch.add_argument("--timeout", type=float, default=300.0, help="--url: the whole check's time bound (s)")
     ch.add_argument("--report-dir", default="launch-check", help="--url: where launch_check.json and .md go")
+    ch.add_argument("--ca-bundle", default=None, metavar="CA", help="--url https://...: verify the server with this "
+                    "CA certificate (PEM; default: the system's trust store)")
     return ch
 
 
 def run(args) -> int:
     if args.url:
         return _url_check(args)
+    if args.ca_bundle:
+        raise UserError("--ca-bundle is for check --url https://... (a running server)")
     if not args.model_dir:
         raise UserError("check needs MODEL_DIR (an exported model) or --url URL (a running `raytrain serve`)")
     from raytrain.lineage import model_id
@@ -60,6 +64,7 @@ def _url_check(args) -> int:
                         concurrency=args.concurrency, max_p99_ms=500.0 if args.max_p99_ms is None else args.max_p99_ms,
                         prompt=args.prompt,
                         max_new_tokens=args.max_new_tokens, timeout_s=args.timeout, out_dir=args.report_dir,
+                        ca_bundle=args.ca_bundle,
                         log=(lambda *_: None) if args.json else print)
     if args.json:
         print(json.dumps(out, indent=1))

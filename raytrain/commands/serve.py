@@ -1,4 +1,4 @@
-"""`raytrain serve`: a model over HTTP on Ray Serve, or `serve promote|rollback|split` on a running server."""
+"""`raytrain serve`: a model over HTTP(S) on Ray Serve, or `serve promote|rollback|split` on a running server."""
 
 from __future__ import annotations
 
@@ -20,6 +20,13 @@ def add_parser(subparsers):
     sv.add_argument("--canary-fraction", type=float, default=None, help="share of requests the canary answers "
                     "(0..1); with split: the new share")
     sv.add_argument("--url", default=None, help="promote / rollback / split: the running server")
+    sv.add_argument("--ssl-certfile", default=None, metavar="CERT", help="serve HTTPS with this PEM certificate "
+                    "(with --ssl-keyfile; `scripts/tls_certs.sh DIR` makes a CA and a pair); TLS 1.3 with modern "
+                    "clients, TLS 1.1 and older refused")
+    sv.add_argument("--ssl-keyfile", default=None, metavar="KEY", help="the certificate's private key (PEM, "
+                    "unencrypted, mode 0600)")
+    sv.add_argument("--ca-bundle", default=None, metavar="CA", help="promote / rollback / split on an https:// "
+                    "--url: verify the server with this CA certificate (default: the system's trust store)")
     sv.add_argument("--replicas", type=int, default=1, help="model replicas per version (autoscaling minimum)")
     sv.add_argument("--max-replicas", type=int, default=None, help="autoscale up to this many replicas per version")
     sv.add_argument("--cpus-per-replica", type=float, default=1)
@@ -43,13 +50,16 @@ def run(args) -> int:
     if args.model in ("promote", "rollback", "split"):
         if not args.url:
             raise UserError(f"serve {args.model} needs --url of the running server, e.g. --url http://127.0.0.1:8000")
-        state = traffic(args.url, args.model, args.canary_fraction)
+        state = traffic(args.url, args.model, args.canary_fraction, ca_bundle=args.ca_bundle)
         print(f"stable {state['stable']}" + (f", canary {state['canary']} at {state['canary_fraction']:.0%}"
                                              if state["canary"] else ", no canary"))
         return 0
+    if args.ca_bundle:
+        raise UserError("--ca-bundle is for serve promote|rollback|split --url https://...; serving HTTPS takes "
+                        "--ssl-certfile and --ssl-keyfile")
     return serve_forever(args.model, port=args.port, host=args.host, version=args.version, canary=args.canary,
                          canary_version=args.canary_version, canary_fraction=args.canary_fraction or 0.0,
                          replicas=args.replicas, max_replicas=args.max_replicas, num_cpus=args.cpus_per_replica,
                          max_batch_size=args.max_batch_size, chat_template=args.chat_template,
                          metrics_port=args.metrics_port, ready_file=args.ready_file, audit=args.audit,
-                         audit_text=args.audit_text)
+                         audit_text=args.audit_text, ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile)

@@ -1,7 +1,8 @@
 """`raytrain check --url URL`: the HTTP launch check of a running `raytrain serve`, bounded in requests and time.
 
-Health; one predict (the cold request, when it is the replica's first); the OpenAI endpoints (completions
-with echo and log-probabilities, a stream, chat); consistency (the echoed prompt log-probabilities of
+Over https, one TLS handshake first (the version negotiated; the server verified with --ca-bundle or the
+system's trust store). Health; one predict (the cold request, when it is the replica's first); the OpenAI
+endpoints (completions with echo and log-probabilities, a stream, chat); consistency (the echoed prompt log-probabilities of
 /v1/completions for K held-out samples, one by one and as one list, against the offline model's, through
 the offline evaluation's own loss function); a load test of N requests at concurrency C (threads, one keep-alive connection
 each) reporting warm latency P50 / P95 / P99, throughput and errors. Writes launch_check.json and
@@ -13,6 +14,8 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import socket
+import ssl
 import threading
 import time
 import urllib.parse
@@ -26,9 +29,10 @@ FALLBACK_TEXTS = ["The quick brown fox jumps over the lazy dog.", "one two three
 
 
 class Client:
-    """One keep-alive HTTP connection (per thread in the load test)."""
+    """One keep-alive HTTP(S) connection (per thread in the load test); https verified with `context` (default:
+    the system's trust store)."""
 
-    def __init__(self, url: str, timeout_s: float):
+    def __init__(self, url: str, timeout_s: float, context: Optional[ssl.SSLContext] = None):
         u = urllib.parse.urlsplit(url)
         if u.scheme not in ("http", "https") or not u.hostname:
             from raytrain.errors import UserError
@@ -36,6 +40,7 @@ class Client:
             raise UserError(f"--url {url!r}: give the server's address, e.g. http://127.0.0.1:8000")
         self.host, self.port, self.https = u.hostname, u.port or (443 if u.scheme == "https" else 80), u.scheme == "https"
         self.prefix, self.timeout_s, self.conn = u.path.rstrip("/"), timeout_s, None
+        self.context = context
 
     def request(self, method: str, path: str, body: Optional[dict] = None) -> tuple[int, Any, float]:
         """(status, JSON body or {"error": ...}, seconds). Status 0: the connection failed. A server-sent
@@ -46,8 +51,11 @@ class Client:
         for attempt in (0, 1):  # a keep-alive connection the server closed in between is reopened once
             try:
                 if self.conn is None:
-                    cls = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
-                    self.conn = cls(self.host, self.port, timeout=self.timeout_s)
+                    if self.https:
+                        self.conn = http.client.HTTPSConnection(self.host, self.port, timeout=self.timeout_s,
+                                                                context=self.context)
+                    else:
+                        self.conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
                 self.conn.request(method, self.prefix + path, body=data, headers=headers)
                 r = self.conn.getresponse()
                 raw = r.read()
@@ -112,9 +120,13 @@ def _pct(xs: list[float]) -> dict:
 def run_url_check(url: str, *, model: Optional[str] = None, data: Optional[str] = None, k: int = 8,
                   requests: int = 200, concurrency: int = 8, max_p99_ms: float = 500.0, tol: float = 1e-4,
                   prompt: str = "one two three", max_new_tokens: int = 16, timeout_s: float = 300.0,
-                  out_dir: Optional[str] = None, log: Callable[[str], None] = print) -> dict:
-    """{"ok", "checks": [{name, ok, detail}], figures...}; never raises on a failed check."""
-    chk = UrlCheck(url, timeout_s=timeout_s, log=log)
+                  out_dir: Optional[str] = None, ca_bundle: Optional[str] = None,
+                  log: Callable[[str], None] = print) -> dict:
+    """{"ok", "checks": [{name, ok, detail}], figures...}; never raises on a failed check. An https URL's server
+    is verified with `ca_bundle` (default: the system's trust store); a certificate that cannot be verified is
+    no failed check but a UserError (one line: pass --ca-bundle)."""
+    chk = UrlCheck(url, timeout_s=timeout_s, log=log, ca_bundle=ca_bundle)
+    chk.tls()
     if chk.reachable():
         chk.predict(prompt, max_new_tokens)
         chk.openai(prompt, max_new_tokens)
@@ -127,12 +139,20 @@ def run_url_check(url: str, *, model: Optional[str] = None, data: Optional[str] 
 class UrlCheck:
     """The launch checks of a running server, one method each; every check is recorded, none raises."""
 
-    def __init__(self, url: str, *, timeout_s: float, log: Callable[[str], None]):
-        self.url, self.timeout_s, self.log = url, timeout_s, log
+    def __init__(self, url: str, *, timeout_s: float, log: Callable[[str], None], ca_bundle: Optional[str] = None):
+        from raytrain.serving.run import client_context
+
+        self.url, self.timeout_s, self.log, self.ca_bundle = url, timeout_s, log, ca_bundle
+        https = urllib.parse.urlsplit(url).scheme == "https"
+        if ca_bundle and not https:
+            from raytrain.errors import UserError
+
+            raise UserError(f"check: --ca-bundle is for an https:// --url, not {url}")
+        self.context = client_context(ca_bundle, "check") if https else None
         self.deadline = time.monotonic() + timeout_s
         self.checks: list[dict] = []
         self.out: dict = {"url": url, "checks": self.checks}
-        self.client = Client(url, timeout_s=min(60.0, timeout_s))
+        self.client = Client(url, timeout_s=min(60.0, timeout_s), context=self.context)
         self.served: dict = {}
         self.stable: Optional[str] = None
 
@@ -146,6 +166,29 @@ class UrlCheck:
         if out_dir:
             self.out["reports"] = write_reports(self.out, out_dir)
         return self.out
+
+    def tls(self) -> None:
+        """https: one handshake, recorded with the negotiated version and cipher; a certificate that cannot be
+        verified raises a UserError (a setting to fix, not a failed check); an unreachable server is left to the
+        health check."""
+        if self.context is None:
+            return
+        from raytrain.errors import UserError
+        from raytrain.serving.run import tls_error
+
+        host, port = self.client.host, self.client.port
+        try:
+            with socket.create_connection((host, port), timeout=min(60.0, self.timeout_s)) as raw, \
+                    self.context.wrap_socket(raw, server_hostname=host) as s:
+                version, cipher = s.version(), s.cipher()[0]
+        except ssl.SSLError as e:
+            raise UserError(f"check --url {self.url}: {tls_error(e)}") from None
+        except OSError:
+            return
+        self.out["tls"] = {"version": version, "cipher": cipher}
+        self.record("tls", version == "TLSv1.3" or version == "TLSv1.2",
+                    f"{version} ({cipher}), certificate verified with "
+                    f"{self.ca_bundle or 'the system trust store'}")
 
     def reachable(self) -> bool:
         """/healthz answers and /v1/models lists the stable version."""
@@ -254,7 +297,8 @@ class UrlCheck:
         def one(i: int) -> None:
             if time.monotonic() > self.deadline:
                 return
-            cl = getattr(local_clients, "c", None) or Client(self.url, timeout_s=min(60.0, self.timeout_s))
+            cl = getattr(local_clients, "c", None) or Client(self.url, timeout_s=min(60.0, self.timeout_s),
+                                                             context=self.context)
             local_clients.c = cl
             s, r, d = cl.request("POST", "/predict", {"text": load_texts[i % len(load_texts)],
                                                       "max_new_tokens": max_new_tokens})
