@@ -102,6 +102,106 @@ def test_cloud_configs_are_spot_clusters_with_closed_dashboard(path):
             assert workers[n]["node_config"]["scheduling"]["provisioningModel"] == "SPOT"
 
 
+def _run_signing(cmd: str, tmp_path: Path, paths: dict[str, str], env: dict[str, str] | None = None) -> Path:
+    """A node's certificate-signing command from a config, run here: the config's CA directory replaced by a CA made
+    with raytrain.tls.make, its certificate directory by a temporary one. Returns that directory."""
+    import os
+    import subprocess
+    import sys
+
+    from raytrain import tls
+
+    tls.make(str(tmp_path / "ca"))
+    for old, new in ((paths["ca"], str(tmp_path / "ca")), (paths["out"], str(tmp_path / "node"))):
+        assert old in cmd, (old, cmd)
+        cmd = cmd.replace(old, new)
+    run_env = {**os.environ, **(env or {}), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    out = subprocess.run(["/bin/sh", "-c", cmd], env=run_env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "PRIVATE KEY" not in out.stdout + out.stderr  # paths only
+    node = tmp_path / "node"
+    tls.check_pair(str(node / "server.crt"), str(node / "server.key"), "test", ca=str(node / "ca.crt"))
+    return node
+
+
+TLS_ENV_NAMES = ("RAY_USE_TLS", "RAY_TLS_SERVER_CERT", "RAY_TLS_SERVER_KEY", "RAY_TLS_CA_CERT")
+
+
+def _tls_env_ok(env: dict[str, str]) -> str:
+    """The four RAY_* TLS variables, naming server.crt / server.key / ca.crt of one directory; returns it."""
+    assert set(env) >= set(TLS_ENV_NAMES) and env["RAY_USE_TLS"] == "1", env
+    d = env["RAY_TLS_SERVER_CERT"].rsplit("/", 1)[0]
+    assert (env["RAY_TLS_SERVER_CERT"], env["RAY_TLS_SERVER_KEY"], env["RAY_TLS_CA_CERT"]) == (
+        f"{d}/server.crt", f"{d}/server.key", f"{d}/ca.crt"), env
+    return d
+
+
+@pytest.mark.parametrize("path", [p for p in LAUNCHER_CONFIGS if p.name != "local-fake.yaml"], ids=lambda p: p.name)
+def test_cloud_configs_turn_on_rays_mutual_tls_with_a_certificate_each_node_signs(path, tmp_path):
+    """Every process in every node's container has Ray's TLS settings (docker run options); the cluster's CA reaches
+    every node through file_mounts; each node signs its own certificate for its addresses before `ray start`; and
+    that command, run here, gives a certificate the CA verifies, for this machine's addresses."""
+    import subprocess
+
+    from raytrain import tls
+
+    cfg = yaml.safe_load(path.read_text())
+    env = dict(o.split(None, 1)[1].split("=", 1) for o in cfg["docker"]["run_options"] if o.startswith("--env "))
+    cert_dir = _tls_env_ok(env)
+    ca_files = [k for k in cfg["file_mounts"] if k.endswith(("/ca.crt", "/ca.key"))]
+    ca_dir = ca_files[0].rsplit("/", 1)[0]
+    assert sorted(ca_files) == [f"{ca_dir}/ca.crt", f"{ca_dir}/ca.key"] and ca_dir != cert_dir, ca_files
+    assert len({cfg["file_mounts"][k].rsplit("/", 1)[0] for k in ca_files}) == 1  # one CA directory on the laptop
+    signs = {}
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        cmds = cfg[key]
+        sign = [i for i, c in enumerate(cmds) if "raytrain.tls node" in c]
+        start = [i for i, c in enumerate(cmds) if "ray start" in c]
+        assert sign and start and sign[0] < start[0], (key, cmds)
+        signs[key] = cmds[sign[0]]
+        assert f"raytrain.tls node {ca_dir} {cert_dir} " in signs[key]
+    node = _run_signing(signs["worker_start_ray_commands"], tmp_path, {"ca": ca_dir, "out": cert_dir})
+    addresses = subprocess.run(["hostname", "-I"], capture_output=True, text=True).stdout.split()
+    tls.check_hosts(str(node / "server.crt"), ["127.0.0.1", "localhost", *addresses], "test")
+
+
+@pytest.mark.parametrize("manifest", sorted(KUBERAY), ids=str)
+def test_kuberay_pods_sign_their_certificate_and_run_ray_with_tls(manifest, tmp_path):
+    """Every pod (head and each worker group) and the autoscaler sidecar run Ray with TLS; an init container signs the
+    pod's certificate into an in-memory volume the Ray container mounts read-only; only that init container mounts
+    the CA's Secret; and its command, run here, gives a certificate for the pod IP and the head service's names."""
+    from raytrain import tls
+
+    doc = yaml.safe_load((CLUSTER / "kuberay" / manifest).read_text())
+    spec = doc["spec"] if doc["kind"] == "RayCluster" else doc["spec"]["rayClusterSpec"]
+    auto = spec["autoscalerOptions"]
+    cert_dir = _tls_env_ok({e["name"]: e["value"] for e in auto["env"]})
+    assert any(m["mountPath"] == cert_dir and m["readOnly"] for m in auto["volumeMounts"])
+    inits = []
+    for group in [spec["headGroupSpec"], *spec["workerGroupSpecs"]]:
+        pod = group["template"]["spec"]
+        vols = {v["name"]: v for v in pod["volumes"]}
+        secrets = {n for n, v in vols.items() if "secret" in v}
+        (init,) = pod["initContainers"]
+        ray_container = pod["containers"][0]
+        assert _tls_env_ok({e["name"]: e["value"] for e in ray_container["env"]}) == cert_dir
+        (mount,) = [m for m in ray_container["volumeMounts"] if m["mountPath"] == cert_dir]
+        assert mount["readOnly"] and vols[mount["name"]]["emptyDir"]["medium"] == "Memory"
+        assert not [m for c in pod["containers"] for m in c.get("volumeMounts", []) if m["name"] in secrets]
+        init_mounts = {m["mountPath"]: m["name"] for m in init["volumeMounts"]}
+        assert init_mounts[cert_dir] == mount["name"] and secrets & set(init_mounts.values()), init_mounts
+        inits.append(init)
+    cmd = inits[0]["command"][-1]
+    assert all(i["command"][-1] == cmd for i in inits)
+    ca_dir = [p for p, n in {m["mountPath"]: m["name"] for m in inits[0]["volumeMounts"]}.items() if p != cert_dir][0]
+    node = _run_signing(cmd, tmp_path, {"ca": ca_dir, "out": cert_dir},
+                        env={"POD_IP": "10.12.0.7", "POD_NAMESPACE": "ml"})
+    tls.check_hosts(str(node / "server.crt"), ["10.12.0.7", "127.0.0.1", "raytrain-head-svc.ml.svc.cluster.local",
+                                               "raytrain-head-svc.ml.svc"], "test")
+    with pytest.raises(tls.UserError, match="is not for raytrain-head-svc.other.svc.cluster.local"):
+        tls.check_hosts(str(node / "server.crt"), ["raytrain-head-svc.other.svc.cluster.local"], "test")
+
+
 def test_local_fake_config_has_a_spot_type_that_scales_from_zero():
     cfg = yaml.safe_load((CLUSTER / "local-fake.yaml").read_text())
     assert cfg["provider"]["type"] == "fake_multinode"
@@ -119,7 +219,10 @@ def test_iam_policies_are_least_privilege():
     for doc in (worker, head):
         for st in doc["Statement"]:
             actions = st["Action"] if isinstance(st["Action"], list) else [st["Action"]]
-            assert not any(a.endswith("*") for a in actions), st  # no s3:* / ec2:* wildcards
+            if st["Effect"] == "Deny":  # a wildcard takes away: the TLS-only rule covers every S3 action
+                assert st["Condition"] == {"Bool": {"aws:SecureTransport": "false"}}, st
+                continue
+            assert not any(a.endswith("*") for a in actions), st  # no s3:* / ec2:* wildcards granted
     for st in worker["Statement"]:
         assert all(a.startswith("s3:") for a in st["Action"]), st
         res = st["Resource"] if isinstance(st["Resource"], list) else [st["Resource"]]
