@@ -96,6 +96,28 @@ def _key():
     return ec.generate_private_key(ec.SECP256R1())
 
 
+def _leaf(issuer, ca_key, key, hosts: list[str], start, end):
+    """A certificate for `hosts` (IP addresses and names), for server and client use, signed by the CA's key."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    names = []
+    for h in hosts:
+        try:
+            names.append(x509.IPAddress(ipaddress.ip_address(h)))
+        except ValueError:
+            names.append(x509.DNSName(h))
+    return (x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0][:64])])).issuer_name(issuer)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(start).not_valid_after(end)
+            .add_extension(x509.SubjectAlternativeName(names), critical=False)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+                           critical=False)
+            .sign(ca_key, hashes.SHA256()))
+
+
 def _write_key(path: str, key) -> None:
     from cryptography.hazmat.primitives import serialization
 
@@ -112,7 +134,7 @@ def make(out_dir: str, hosts: tuple[str, ...] = ("127.0.0.1", "localhost"), days
     use, so Ray's mutual TLS and HTTPS serving can share it). Returns their paths."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+    from cryptography.x509.oid import NameOID
 
     os.makedirs(out_dir, exist_ok=True)
     start = not_before or datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(minutes=5)
@@ -123,20 +145,7 @@ def make(out_dir: str, hosts: tuple[str, ...] = ("127.0.0.1", "localhost"), days
           .serial_number(x509.random_serial_number()).not_valid_before(start).not_valid_after(end)
           .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
           .sign(ca_key, hashes.SHA256()))
-    names = []
-    for h in hosts:
-        try:
-            names.append(x509.IPAddress(ipaddress.ip_address(h)))
-        except ValueError:
-            names.append(x509.DNSName(h))
-    cert = (x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])])).issuer_name(ca_name)
-            .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(start).not_valid_after(end)
-            .add_extension(x509.SubjectAlternativeName(names), critical=False)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-                           critical=False)
-            .sign(ca_key, hashes.SHA256()))
+    cert = _leaf(ca_name, ca_key, key, list(hosts), start, end)
     from cryptography.hazmat.primitives import serialization
 
     paths = {name: os.path.join(out_dir, name) for name in ("ca.crt", "ca.key", "server.crt", "server.key")}
@@ -199,36 +208,22 @@ def sign_node(ca_dir: str, out_dir: str, hosts, days: int = 30, what: str = "tls
     ca.crt, the layout `ray_env` names. Ray's gRPC clients check the address they dial against the peer's
     certificate, and a cloud node's address is known only once it runs, so each node signs its own at start. Valid
     for `days`, never past the CA."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+    from cryptography.hazmat.primitives import serialization
 
     ca_crt, ca_key_path = os.path.join(ca_dir, "ca.crt"), os.path.join(ca_dir, "ca.key")
     check_pair(ca_crt, ca_key_path, what)  # readable, in date, the key the CA's
     ca = _certificate(ca_crt, what, "CA certificate")
     ca_key = serialization.load_pem_private_key(_read(ca_key_path, what, "key"), password=None)
-    names, seen = [], []
+    seen = []
     for h in [*hosts, "127.0.0.1", "localhost"]:
         h = h.strip()
-        if not h or h in seen:
-            continue
-        seen.append(h)
-        try:
-            names.append(x509.IPAddress(ipaddress.ip_address(h)))
-        except ValueError:
-            names.append(x509.DNSName(h))
+        if h and h not in seen:
+            seen.append(h)
     now = datetime.datetime.now(datetime.timezone.utc)
     start = now - datetime.timedelta(minutes=5)
     end = min(now + datetime.timedelta(days=days), ca.not_valid_after_utc)
     key = _key()
-    cert = (x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, seen[0][:64])])).issuer_name(ca.subject)
-            .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(start).not_valid_after(end)
-            .add_extension(x509.SubjectAlternativeName(names), critical=False)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-                           critical=False)
-            .sign(ca_key, hashes.SHA256()))
+    cert = _leaf(ca.subject, ca_key, key, seen, start, end)
     os.makedirs(out_dir, exist_ok=True)
     paths = {name: os.path.join(out_dir, name) for name in ("ca.crt", "server.crt", "server.key")}
     _write_key(paths["server.key"], key)
