@@ -133,7 +133,7 @@ def load_spec(name_or_path: Optional[str], overrides: Optional[list[str]] = None
 def _place_overrides(tree: dict, overrides: dict[str, Any]) -> dict:
     for key, value in overrides.items():
         head, _, rest = key.partition(".")
-        if head in Config.model_fields:
+        if head in Config.model_fields and rest:  # (a bare `storage=` is the sweep's; `storage.sse=` training's)
             tree.setdefault("overrides", {})[key] = value
         elif head in ("space", "overrides", "trial_overrides") and rest:
             tree.setdefault(head, {})[rest] = value  # their keys are dotted training keys
