@@ -164,8 +164,12 @@ class Provenance:
         self.uri = storage.absolute(split_uri)
         try:
             m = json.loads(storage.read_text(storage.join(self.uri, "manifest.json")))
-        except (UserError, ValueError):
-            raise UserError(f"{what}: {self.uri} is not a prepared split (no readable manifest.json)") from None
+        except ValueError:
+            raise UserError(f"{what}: {self.uri}/manifest.json is not valid JSON; prepare the data again") from None
+        except UserError as e:  # missing, or the storage itself failed: say which
+            if "not found" in str(e):
+                raise UserError(f"{what}: {self.uri} is not a prepared split (no manifest.json)") from None
+            raise UserError(f"{what}: {e}") from None
         p = m.get("provenance") or {}
         if not p.get("spans"):
             why = p.get("spans_missing") or "it was prepared without provenance (provenance=false, or before it existed)"
