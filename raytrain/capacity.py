@@ -14,7 +14,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from raytrain.config import ModelConfig
+from raytrain.config import ModelConfig, takes_chunked_loss
 from raytrain.errors import UserError
 
 GIB = 2**30
@@ -117,6 +117,8 @@ class Shape:
     active_params: int = 0  # per token: MoE tokens see top_k experts, not all of them
     largest_layer_params: int = 0
     eager_attention: bool = False
+    loss: str = "auto"  # model.loss: whether a ZeRO stage trains with the chunked loss (config.takes_chunked_loss)
+    lora: bool = False
 
 
 def model_config_for(spec: str, seq_len: Optional[int] = None) -> ModelConfig:
@@ -157,7 +159,7 @@ def shape_of(cfg: ModelConfig, vocab: Optional[int] = None) -> Shape:
                  kv_hidden=(cfg.n_kv_head or cfg.n_head) * head_dim if cfg.family != "gpt2" else cfg.hidden_size,
                  intermediate=inter, vocab=vocab, seq_len=cfg.seq_len, experts=experts, top_k=top_k, params=total,
                  active_params=active, largest_layer_params=largest,
-                 eager_attention=cfg.attn_implementation == "eager")
+                 eager_attention=cfg.attn_implementation == "eager", loss=cfg.loss, lora=cfg.lora.r > 0)
 
 
 def model_states_bytes(shape: Shape, stage: int, offload_opt: bool, offload_param: bool, gpus: int,
@@ -218,7 +220,8 @@ def restore_bytes_per_node(shape: Shape, stage: int, gpus: int, gpus_per_node: i
     return checkpoint_bytes(shape)
 
 
-def activation_bytes(shape: Shape, micro_batch: int, checkpointing: bool, dtype_bytes: int = 2) -> int:
+def activation_bytes(shape: Shape, micro_batch: int, checkpointing: bool, dtype_bytes: int = 2, *,
+                     chunked: bool = False) -> int:
     """Activations kept for backward at one micro-batch (docs/PLANNING.md has the derivation).
 
     Per layer and token, in elements of the training dtype (Korthikanti et al. 2022, "Reducing Activation
@@ -229,7 +232,8 @@ def activation_bytes(shape: Shape, micro_batch: int, checkpointing: bool, dtype_
       eager attention adds the softmax output, n_head * seq_len per token (SDPA/flash kernels keep none).
     Activation checkpointing keeps each layer's input (h) and recomputes one layer at a time.
     The LM head adds vocab * (dtype + 8) bytes per token: the logits, their fp32 log-softmax (kept by the
-    loss) and its gradient.
+    loss) and its gradient; with the chunked loss (`chunked`, raytrain/worker/linear_ce.py) one chunk's fp32 logits
+    and their gradient, and the output projection's fp32 gradient, whatever the micro-batch.
     """
     h, i, kv, k = shape.hidden, shape.intermediate, shape.kv_hidden, shape.top_k
     if shape.family == "gpt2":
@@ -240,7 +244,13 @@ def activation_bytes(shape: Shape, micro_batch: int, checkpointing: bool, dtype_
         layer += shape.n_head * shape.seq_len
     tokens = micro_batch * shape.seq_len
     kept = shape.n_layer * h + layer if checkpointing else shape.n_layer * layer
-    return int(tokens * (kept * dtype_bytes + shape.vocab * (dtype_bytes + 8)))
+    if chunked:
+        from raytrain.worker.linear_ce import chunked_head_bytes
+
+        head = chunked_head_bytes(tokens, h, shape.vocab)
+    else:
+        head = tokens * shape.vocab * (dtype_bytes + 8)
+    return int(tokens * kept * dtype_bytes + head)
 
 
 @dataclass
@@ -290,15 +300,16 @@ def _fit(shape: Shape, gpu: Gpu, gpus: int, gpn: int, strat: tuple, ckpt: bool, 
     name, stage, off_o, off_p, factor = strat
     dev, _ = model_states_bytes(shape, stage, off_o, off_p, gpus, gpn)
     host = host_bytes_per_node(shape, stage, off_o, off_p, gpus, gpn)
-    per_sample = activation_bytes(shape, 1, ckpt)
+    chunked = takes_chunked_loss(shape.loss, zero_stage=stage, lora=shape.lora)
+    per_sample = activation_bytes(shape, 1, ckpt, chunked=chunked)
     # Host memory too: offloaded states live there, and ZeRO-0/1/2 ranks build the whole model on the host.
     free = usable - dev - RUNTIME_OVERHEAD_GIB * GIB if host <= host_limit else -1
     best = 0
     for mb in ([mb_fixed] if mb_fixed else [2**j for j in range(int(math.log2(mb_cap)) + 1)]):
-        if activation_bytes(shape, mb, ckpt) <= free:
+        if activation_bytes(shape, mb, ckpt, chunked=chunked) <= free:
             best = mb
     mb_used = best or mb_fixed or 1
-    total = dev + RUNTIME_OVERHEAD_GIB * GIB + activation_bytes(shape, mb_used, ckpt)
+    total = dev + RUNTIME_OVERHEAD_GIB * GIB + activation_bytes(shape, mb_used, ckpt, chunked=chunked)
     return Option(name + ("+ckpt" if ckpt else ""), zero_stage=stage, offload_optimizer=off_o, offload_param=off_p,
                   activation_checkpointing=ckpt, model_states_gib=dev / GIB, host_gib_per_node=host / GIB,
                   activations_gib_per_sample=per_sample / GIB, total_gib_at_micro_batch=total / GIB,

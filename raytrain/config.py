@@ -393,6 +393,14 @@ class StorageSection(Section):
                 os.environ[var] = value
 
 
+
+def takes_chunked_loss(loss: str, *, zero_stage: int, tensor_parallel: int = 1, lora: bool = False) -> bool:
+    """Whether training takes the chunked loss (model.loss; auto: ZeRO 0-2, no tensor parallelism, no LoRA), which
+    never holds a micro-batch's whole [tokens, vocab] logits."""
+    if loss != "auto":
+        return loss == "chunked"
+    return zero_stage < 3 and tensor_parallel == 1 and not lora
+
 class Config(Section):
     """A whole run. `raytrain config --config NAME` prints it resolved."""
 
@@ -501,9 +509,8 @@ class Config(Section):
     @property
     def chunked_loss(self) -> bool:
         """Whether the loss is the chunked one (model.loss, auto resolved)."""
-        if self.model.loss != "auto":
-            return self.model.loss == "chunked"
-        return self.deepspeed.zero_stage < 3 and self.deepspeed.tensor_parallel_size == 1 and self.model.lora.r <= 0
+        return takes_chunked_loss(self.model.loss, zero_stage=self.deepspeed.zero_stage,
+                                  tensor_parallel=self.deepspeed.tensor_parallel_size, lora=self.model.lora.r > 0)
 
     @model_validator(mode="after")
     def _batch_consistent(self) -> "Config":

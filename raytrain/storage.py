@@ -372,6 +372,24 @@ def write_text(uri: str, text: str) -> None:
     write_bytes(uri, text.encode("utf-8"))
 
 
+def append_text(uri: str, text: str, *, durable: bool = False) -> None:
+    """Add lines at the end of a local file (O(the new lines), not a rewrite of the whole file); `durable`: on disk
+    before returning. Object storage has no append: callers write the whole object there (write_bytes). A reader
+    may see the last line half-written, as after a kill: line readers skip it (rundir.parse_jsonl)."""
+    fs, path = resolve(uri)
+    if not isinstance(fs, pafs.LocalFileSystem):
+        raise ValueError(f"{uri}: object storage has no append; write the whole object")
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            if durable:
+                os.fsync(f.fileno())
+    except OSError as e:
+        raise _fail(uri, e, "write") from None
+
+
 def list_dir(uri: str) -> list[str]:
     """Names (not paths) directly under a directory URI; empty if it does not exist."""
     fs, path = resolve(uri)

@@ -133,3 +133,37 @@ def test_auto_interval_checkpoints_on_time_and_resumes_after_a_crash(ray_cluster
         assert storage.exists(f"{tmp_path}/auto/{r['checkpoint']}/manifest.json") or r["step"] < 15
     committed_before_crash = [r["step"] for r in auto_saves if r["step"] < 15]
     assert attempts[-1]["resumed_step"] in committed_before_crash, (attempts, committed_before_crash)
+
+
+def test_a_lone_rank_on_the_host_reads_its_loss_a_step_late_with_no_tensor_made():
+    """One CPU rank has nothing to reduce: the step's loss tensor is kept as it is and read (mean over the
+    accumulation's micro-batches) at the next step, or at once on a step that acts on it: two tensor calls a step
+    (detach, item), where building a vector for an all-reduce took twelve."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    from raytrain.worker.preemption import PreemptionNotice
+    from raytrain.worker.verdict import StepAgreement
+
+    class Cadence:
+        agreed = False
+
+        @staticmethod
+        def due(step):
+            return False
+
+    class Count(TorchFunctionMode):
+        calls: list = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.calls.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    agreement = StepAgreement(notice=PreemptionNotice(0, enabled=False), cadence=Cadence(), rank=0, world=1,
+                              accumulation=2)
+    losses = torch.tensor(4.0), torch.tensor(6.0)
+    with Count():
+        first = agreement.agree(losses[0], 1, now=False, content=7)
+        second = agreement.agree(losses[1], 2, now=True, content=9)
+    assert first.losses == () and second.losses == ((1, 2.0), (2, 3.0)) and second.content == 9
+    assert sorted(Count.calls) == ["detach", "detach", "item", "item"], Count.calls

@@ -167,3 +167,59 @@ def test_peer_copy_outlives_its_node_and_release_removes_everything(ray_cluster,
     h = snapshot.header_of(data)
     assert h["step"] == 6 and snapshot.committed_bytes(path) == (6, data)
     assert release_run(run, shm) >= 1 and not run_actors(run) and not os.listdir(shm)
+
+
+def test_a_host_copy_runs_beside_the_next_step_and_is_committed_before_the_optimizer_step(tmp_path, monkeypatch):
+    """CPU training: `snapshot` hands the copy to a thread of its own and returns; the generation reads as invalid
+    until the copy is done, `settle` (before the optimizer step) waits for it and only then offers it to a peer; a
+    rollback's `invalidate` waits for a copy in flight and leaves it unreadable."""
+    import threading
+    from types import SimpleNamespace
+
+    from raytrain.ckpt.host_snapshots import MemoryTier
+    from raytrain.ckpt.state import TrainState
+    from raytrain.config import load_config
+
+    ckpt = load_config("tiny", ["data.train=/nowhere", "checkpoint.memory_every_n_steps=1"]).checkpoint
+    tier = MemoryTier(ckpt, run_uri=str(tmp_path), rank=0, world=1)
+    replicated = []
+    tier.actor = SimpleNamespace(replicate=SimpleNamespace(remote=lambda rank, path: replicated.append(path)))
+
+    def path(gen: int, nbytes: int) -> str:
+        p = str(tmp_path / f"g{gen}")
+        with open(p, "ab") as f:
+            f.truncate(nbytes)
+        tier._paths[gen] = p
+        return p
+
+    monkeypatch.setattr(tier, "_path", path)
+    started, release = threading.Event(), threading.Event()
+    real = snapshot.write_mapped
+
+    def slow(*a, **kw):
+        started.set()
+        assert release.wait(10)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(snapshot, "write_mapped", slow)
+    module = torch.nn.Linear(4, 4)
+    engine = SimpleNamespace(module=module, optimizer=torch.optim.SGD(module.parameters(), lr=0.1), lr_scheduler=None,
+                             global_steps=3, global_samples=48, skipped_steps=0)
+    want = {k: v.clone() for k, v in module.state_dict().items()}
+    tier.snapshot(engine, TrainState(step=3, samples_seen=48))
+    assert started.wait(10)  # copying on its own thread while this one goes on
+    g0 = str(tmp_path / "g0")
+    assert snapshot.read_header(g0) is None and replicated == []
+    release.set()
+    tier.settle()
+    snap = _load(g0)
+    assert snap.step == 3 and replicated == [g0]
+    assert all(torch.equal(snap.state["module"][k], v) for k, v in want.items())
+
+    release.clear()
+    started.clear()
+    tier.snapshot(engine, TrainState(step=4, samples_seen=64))
+    assert started.wait(10)
+    threading.Timer(0.2, release.set).start()
+    tier.invalidate()  # waits for the copy, then blanks both generations
+    assert release.is_set() and snapshot.read_header(str(tmp_path / "g1")) is None and _load(g0) is None

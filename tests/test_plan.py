@@ -54,6 +54,18 @@ def test_model_states_are_deepspeeds_estimates(gpus, per_node):
     assert model_states_bytes(shape, 0, False, False, gpus, per_node)[0] == 20 * shape.params
 
 
+def test_the_plan_charges_one_chunk_of_logits_where_training_takes_the_chunked_loss():
+    """model.loss=auto: ZeRO 0-2 train with the chunked loss (never a micro-batch's [tokens, vocab] logits), ZeRO-3
+    with the full one; the plan's activations say so, as the sweep's estimate and micro_batch=auto do."""
+    shape = shape_of(model_config_for("124m"))
+    tokens = 8 * shape.seq_len
+    full, chunked = (activation_bytes(shape, 8, False, chunked=c) for c in (False, True))
+    assert full - chunked > 0.9 * tokens * shape.vocab * (2 + 8)  # the logits, their log-softmax and its gradient
+    opts = {o.strategy: o for o in make_plan("124m", "h100", 8).options}
+    assert opts["zero2"].activations_gib_per_sample < 0.6 * opts["zero3"].activations_gib_per_sample
+    assert shape_of(model_config_for("124m").model_copy(update={"loss": "full"})).loss == "full"
+
+
 def test_10b_needs_about_eight_80gb_a100s_with_zero3():
     plan = make_plan("10b", "a100-80gb", 8, tokens=parse_tokens("200B"))
     assert 9.5e9 < plan.params < 10.5e9

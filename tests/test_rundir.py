@@ -25,3 +25,23 @@ def test_missing_or_torn_json_reads_as_none(tmp_path):
     assert run.read_json(SUMMARY) is None
     run.write_json(SUMMARY, {"steps": 3})
     assert run.read_json(SUMMARY) == {"steps": 3}
+
+
+def test_a_local_run_log_appends_each_record_and_rewrites_the_file_only_when_it_must(tmp_path, monkeypatch):
+    """metrics.jsonl in a local run directory: a log step appends its line (its cost does not grow with the run's
+    length); the file is written whole only when opened and after a rollback's rewind."""
+    from raytrain import storage
+    from raytrain.rundir import METRICS, RunDir
+    from raytrain.worker.runlog import RunLog
+
+    whole, real = [], storage.upload_file
+    monkeypatch.setattr(storage, "upload_file", lambda src, uri: whole.append(uri) or real(src, uri))
+    log = RunLog(str(tmp_path), 300, 0, enabled=True)
+    for step in range(1, 301):
+        log.write({"step": step, "loss": 1.0 / step})
+    steps = [r["step"] for r in RunDir(str(tmp_path)).read_jsonl(METRICS)]
+    assert steps == list(range(1, 301)) and len(whole) <= 2, len(whole)  # the open, and the first record's sync
+    log.rewind(120)
+    log.write({"step": 121, "loss": 0.5}, sync=True)
+    assert [r["step"] for r in RunDir(str(tmp_path)).read_jsonl(METRICS)] == list(range(1, 122))
+    assert len(whole) <= 3 and log.unsynced() == []

@@ -113,7 +113,8 @@ class MemoryTier:
         self._sizes: dict[int, int] = {}  # bytes of each generation's file this rank has asked for
         self.actor = None  # this node's NodeMemory: looked up at start-up, created (not waited for) when missing
         self._said = False
-        self._pending = None  # (PendingWrite, its tensors, path, step) of a GPU copy in flight
+        self._pending = None  # (the copy in flight: PendingWrite or Future, its tensors, path, step)
+        self._copier = None  # the thread that copies host tensors (CPU training), made on first use
         self._launch_s = 0.0
         self._stream = None  # the CUDA side stream of the copies
         self._maps: dict[int, snapshot.Mapping] = {}  # each generation mapped once (page-locked for GPU copies)
@@ -174,9 +175,9 @@ class MemoryTier:
     def snapshot(self, engine, state: TrainState, *, committed: Optional[int] = None, force: bool = False,
                  run_records: Optional[dict] = None) -> None:
         """Copy this rank's state into the older generation when due (every memory_every_n_steps, and at every
-        storage checkpoint, before it is saved: memory is then never older than a committed checkpoint). From a
-        GPU the copy runs on a side stream while the next step computes; `settle` commits it before the optimizer
-        step changes its sources."""
+        storage checkpoint, before it is saved: memory is then never older than a committed checkpoint). The copy
+        runs beside the next step (a GPU's on a side stream, host memory's on a thread); `settle` commits it before
+        the optimizer step changes its sources."""
         if not self.enabled:
             return
         self.settle()
@@ -201,8 +202,10 @@ class MemoryTier:
             self._pending = (snapshot.write_from_gpu(self._mapping(self._gen, path), meta, skeleton, tensors,
                                                      self._side_stream(tensors)), tensors, path, state.step)
         else:
-            snapshot.write_mapped(self._mapping(self._gen, path), meta, skeleton, tensors)
-            self._replicate(path, state.step)
+            # Host tensors: copied and checksummed by a thread of their own (both without the GIL) while the next
+            # step computes, as a GPU's side stream does; `settle` waits for it before the optimizer step.
+            self._pending = (self._host_copier().submit(snapshot.write_mapped, self._mapping(self._gen, path), meta,
+                                                        skeleton, tensors), tensors, path, state.step)
         self._gen = 1 - self._gen
         self._took = True
         self.last_stall_s = self._launch_s = time.perf_counter() - t0
@@ -210,14 +213,17 @@ class MemoryTier:
             self.settle()
 
     def settle(self) -> None:
-        """Commit the snapshot whose copy from the GPU is in flight (waiting for the copy if it has not landed):
-        called before the optimizer step changes what it copies. The wait is added to the snapshot's stall."""
+        """Commit the snapshot whose copy is in flight (waiting for the copy if it has not landed): called before the
+        optimizer step changes what it copies. The wait is added to the snapshot's stall."""
         if self._pending is None:
             return
         t0 = time.perf_counter()
         pending, _tensors, path, step = self._pending  # the tensors are held until the copy has read them
         self._pending = None
-        pending.finish()
+        if isinstance(pending, snapshot.PendingWrite):
+            pending.finish()
+        else:
+            pending.result()  # committed by the copier
         self.last_stall_s = self._launch_s + time.perf_counter() - t0
         self._replicate(path, step)
 
@@ -226,6 +232,13 @@ class MemoryTier:
         if k and step % k == 0:
             # Not waited for: the actor drops it while this rank's previous copy is still on its way.
             self.actor.replicate.remote(self.rank, path)
+
+    def _host_copier(self):
+        if self._copier is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raytrain-snapshot")
+        return self._copier
 
     def _side_stream(self, tensors: list):
         import torch
@@ -245,9 +258,13 @@ class MemoryTier:
         nodes they no longer run on and the peer copies, which the agreement would otherwise still offer."""
         if not self.enabled:
             return
-        if self._pending is not None:  # a copy in flight belongs to the ending timeline: never committed
-            self._pending[0].done.synchronize()
+        if self._pending is not None:  # a copy in flight belongs to the ending timeline: invalidated below
+            pending = self._pending[0]
             self._pending = None
+            if isinstance(pending, snapshot.PendingWrite):
+                pending.done.synchronize()
+            else:
+                pending.exception()  # waits; its failure does not matter, the generation is invalidated
         for path in self._paths.values():
             snapshot.invalidate(path)
         self._gen = 0

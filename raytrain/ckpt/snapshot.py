@@ -50,6 +50,9 @@ class Snapshot:
         return int(self.header["step"])
 
 
+_SCALARS = frozenset({int, float, bool, str, bytes, type(None)})
+
+
 def flatten(obj: Any, tensors: list) -> Any:
     """`obj` with every tensor inside plain dicts / lists / tuples replaced by a TensorSlot (appended to `tensors`)."""
     import torch
@@ -60,6 +63,8 @@ def flatten(obj: Any, tensors: list) -> Any:
     if type(obj) in (dict, OrderedDict):
         return type(obj)((k, flatten(v, tensors)) for k, v in obj.items())
     if type(obj) in (list, tuple):
+        if all(type(v) in _SCALARS for v in obj):  # e.g. Python's RNG state, 625 ints: kept as it is, in one pass
+            return obj
         return type(obj)(flatten(v, tensors) for v in obj)
     return obj
 

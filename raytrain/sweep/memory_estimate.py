@@ -41,10 +41,10 @@ def estimate_mb(cfg: Config, vocab_size: int, n_params: Optional[int] = None) ->
     b, h, a = cfg.batch.micro_batch_size, m.hidden_size, m.n_head
     act_scale = 1.0 if half else 2.0  # the formula counts 16-bit activations
     per_layer = 2 * s * b * h if m.activation_checkpointing else s * b * h * (34 + 5 * a * s / h)
-    if cfg.chunked_loss:  # one chunk's fp32 logits and their gradient, and the output projection's fp32 gradient
-        from raytrain.worker.linear_ce import chunk_tokens
+    if cfg.chunked_loss:
+        from raytrain.worker.linear_ce import chunked_head_bytes
 
-        logits = chunk_tokens(b * s, h, vocab_size) * vocab_size * 4 * 2 + vocab_size * h * 4
+        logits = chunked_head_bytes(b * s, h, vocab_size)
     else:
         logits = b * s * vocab_size * (2 if half else 4) * 2 + b * s * vocab_size * 4  # logits + grad, fp32 loss
     activations = per_layer * m.n_layer * act_scale + logits

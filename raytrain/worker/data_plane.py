@@ -49,7 +49,7 @@ class DataPlane:
             self.reader = PlannedReader(split, self.plan, self.lanes, position // global_batch, feed=self.feed,
                                         transform=transform, **opts)
         self._step = None
-        self.content = 0
+        self._rows = None
 
     def _ingest(self, data_cfg, *, split: Split, seed: int, rank: int, size: int, start: int, end: int,
                 transform) -> None:
@@ -91,8 +91,13 @@ class DataPlane:
             self._next += 1
         rows, self._step = self.reader.take(want)
         self._next = want + 1
-        self.content = content_checksum.share(rows, self.lanes[0])  # this rank's share of the batch's checksum
+        self._rows = rows
         return rows
+
+    def content_share(self) -> int:
+        """This rank's share of the checksum of the batch just taken (data/content_checksum.py): asked for on the
+        steps that log it only."""
+        return content_checksum.share(self._rows, self.lanes[0]) if self._rows is not None else 0
 
     def run_until(self, position: int, steps_left: int) -> None:
         """The run needs `steps_left` more batches from data position `position` (after a rollback: more)."""
@@ -103,6 +108,8 @@ class DataPlane:
 
     def fingerprint(self) -> int:
         """Of the sample ids of the whole global batch just taken, from the plan alone: equal across world sizes."""
+        if isinstance(self.plan, SamplePlan) and self._step.lanes == (0, self.global_batch):
+            return self._step.fingerprint()  # this rank's rows are the whole batch: the plan's work is done already
         return self.plan.step(self._step.step).fingerprint()
 
     def stats(self, world: int, elapsed_s: float, position: int) -> dict:

@@ -24,6 +24,12 @@ def chunk_tokens(n_tokens: int, hidden: int, vocab: int) -> int:
     return max(1, 1 << max(0, per - 1).bit_length())
 
 
+def chunked_head_bytes(n_tokens: int, hidden: int, vocab: int) -> int:
+    """What the chunked loss holds beyond the hidden states: one chunk's fp32 logits and their gradient, and the
+    output projection's fp32 gradient (whatever the number of tokens)."""
+    return chunk_tokens(n_tokens, hidden, vocab) * vocab * 4 * 2 + vocab * hidden * 4
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     """sum_i weight_i * CE(hidden_i @ W.T + b, target_i), gradients computed in the forward."""
 

@@ -73,7 +73,6 @@ class WorkerRun:
         ctx = ray.train.get_context()
         rank, world = self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
         self.cuda, self.device = _device(cfg, ray.train.torch)
-        device = self.device
         # Resume point first: host memory (this node's snapshot of the newest step every rank holds), else the newest
         # committed checkpoint in the run directory (our manifests); another world size's goes through universal form.
         self.faults = Faults(loop_config.get("inject"), rank=rank, global_batch=cfg.global_batch)
@@ -92,7 +91,7 @@ class WorkerRun:
         # hundreds of thousands of new objects set off full collections that free nothing (0.3-0.6 s of a start).
         gc.disable()
         try:
-            self.engine, self.n_params, n_active = self._build_engine(resumed, train_split, device)
+            self.engine, self.n_params, n_active = self._build_engine(resumed, train_split, self.device)
         finally:
             gc.enable()
         dp_rank, self.dp_size = _data_parallel_rank(cfg, rank, world)
@@ -114,10 +113,10 @@ class WorkerRun:
         self.data = self._data_plane((self.state.step, self.state.samples_seen), dp_rank, self.dp_size, loop_config,
                                      train_split)  # the early one if the restore landed where it was predicted
         self.loss = StepLoss(cfg.data, window=train_split.seq_len + 1, accumulation=cfg.accumulation, world=world,
-                             dp_size=self.dp_size, device=device)  # masked and globally normalised for examples
+                             dp_size=self.dp_size, device=self.device)  # masked and globally normalised for examples
         self.evaluate = evaluator_for(cfg.data, split=val_split, sources=loop_config.get("val_sources"),
                                       micro_batch=cfg.batch.micro_batch_size, rank=dp_rank, world=self.dp_size,
-                                      device=device)
+                                      device=self.device)
         self.log = RunLog(cfg.run_uri, cfg.run.max_steps, self.state.step, enabled=rank == 0,
                           tail=carried.get("log_tail", ()),
                           progress_every=progress_every(cfg.run.progress_every, cfg.run.log_every, cfg.run.max_steps))
@@ -131,8 +130,9 @@ class WorkerRun:
         self.run_records = {"run_started": started if started is not None else round(self.t_start, 3),
                             "attempts": earlier_attempts}
         self.notice = PreemptionNotice(rank, enabled=cfg.checkpoint.on_preemption)
-        self.agreement = StepAgreement(notice=self.notice, cadence=self.cadence, rank=rank, world=world, device=device,
-                                       snapshots=self.memory.interval, copies=world // self.dp_size)
+        self.agreement = StepAgreement(notice=self.notice, cadence=self.cadence, rank=rank, world=world,
+                                       device=self.device, snapshots=self.memory.interval,
+                                       copies=world // self.dp_size, accumulation=cfg.accumulation)
         self.tel = Telemetry(cfg, rank, world, self.cuda, flops_per_token(n_active, cfg.model), log=say)
         # Every metric record's one path: metrics.jsonl, trackers, TensorBoard, Prometheus, Ray Train / Tune reports.
         self.records = RecordWriter(cfg, rank=rank, log=self.log, prometheus=self.tel.metrics, report=ray.train.report,
@@ -183,11 +183,11 @@ class WorkerRun:
                                t_start=self.t_start, boot=self.boot)  # recovery time, steps lost, cost
         self.window = Window(self.tel.timer)
 
-    def step(self, rows: np.ndarray) -> tuple[StepVerdict, torch.Tensor]:
+    def step(self, rows: np.ndarray) -> tuple[StepVerdict, Optional[torch.Tensor]]:
         """Forward/backward and the optimizer step on this rank's rows; then the step's one all-reduce, whose
         verdict every rank acts on alike: read now on a step that acts on it, else at the next step (no host
-        synchronisation: worker/verdict.py). Returns (verdict, this rank's MoE aux loss)."""
-        acc = self.cfg.accumulation
+        synchronisation: worker/verdict.py). Returns (verdict, this rank's MoE aux loss summed over its
+        micro-batches, None without MoE)."""
         self.comm.step = self.state.step + 1
         with oom_guard(self.cfg, self.world, self.cuda), \
                 self.comm("forward/backward and the optimizer step (gradient all-reduce)"):
@@ -196,12 +196,13 @@ class WorkerRun:
         self.attempt.reached(self.state.step)
         self.faults.after_step(self.state.step, say)
         with self.comm("the per-step all-reduce (loss, preemption notice, checkpoint agreement)"):
-            verdict = self.agreement.agree(loss_sum / acc, self.state.step, now=any(self._due(self.state.step)),
-                                           content=self.data.content)
+            now = any(self._due(self.state.step))  # a step that acts reads its verdict now, and logs its checksum
+            verdict = self.agreement.agree(loss_sum, self.state.step, now=now,
+                                           content=self.data.content_share() if now else 0)
         news = self.memory.interval.news()  # (agreed on the all-reduce, which may be read a step late)
         if news and self.rank == 0:
             say(f"memory snapshots {news}")
-        return verdict, aux_sum / acc
+        return verdict, aux_sum
 
     def _due(self, step: int) -> tuple[bool, bool, bool]:
         """(log, evaluate, checkpoint by the step count) at this step: the steps that read their verdict now."""
@@ -227,7 +228,7 @@ class WorkerRun:
                 return True
         return False
 
-    def after_step(self, verdict: StepVerdict, aux: torch.Tensor) -> None:
+    def after_step(self, verdict: StepVerdict, aux: Optional[torch.Tensor]) -> None:
         """Log, evaluate, checkpoint when due (every rank decides alike: the collectives inside never hang)."""
         cfg, step = self.cfg, self.state.step
         self._log_downstream(self.downstream.poll(self.writer.committed))
@@ -414,12 +415,13 @@ class WorkerRun:
         self.memory.interval.begin(state.step)  # `auto`: measured over this attempt's first steps, then agreed
         return state
 
-    def _forward_backward(self, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """Over this rank's micro-batches, and the optimizer step; (loss sum, MoE aux loss sum)."""
+    def _forward_backward(self, rows: np.ndarray) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Over this rank's micro-batches, and the optimizer step; (loss sum, MoE aux loss sum or None), fp32."""
         cfg, engine, timer = self.cfg, self.engine, self.tel.timer
         mb, acc = cfg.batch.micro_batch_size, cfg.accumulation
-        loss_sum = torch.zeros((), device=self.device)
-        aux_sum = torch.zeros((), device=self.device)  # MoE router load-balancing loss, logged as aux_loss
+        # Each micro-batch's loss and MoE router load-balancing loss (logged as aux_loss), summed once at the end:
+        # every tensor op on the host costs tens of microseconds between a step's kernels.
+        losses, auxes = [], []
         self.loss.begin(rows)  # fine-tuning rows: the global batch's learned-token count (collective)
         for a in range(acc):
             x = _to_device(rows[a * mb:(a + 1) * mb], self.device, cfg.data.pin_memory)
@@ -431,19 +433,20 @@ class WorkerRun:
                 if a == acc - 1:
                     self.memory.settle()  # the last snapshot's copy from the GPU has landed before its sources change
                 engine.step()  # DeepSpeed only updates at the accumulation boundary
-            loss_sum += loss.detach().float()
-            aux_sum += aux.detach().float() if aux is not None else 0.0
-        return loss_sum, aux_sum
+            losses.append(loss.detach())
+            if aux is not None:
+                auxes.append(aux.detach())
+        return _total(losses), _total(auxes)
 
-    def _log_record(self, verdict: StepVerdict, aux: torch.Tensor) -> dict:
+    def _log_record(self, verdict: StepVerdict, aux: Optional[torch.Tensor]) -> dict:
         """A log step's figures; starts the next window (collective: the MoE aux loss and the data counters are
         all-reduced)."""
         cfg, engine, win, world = self.cfg, self.engine, self.window, self.world
         gb, seq = cfg.global_batch, cfg.model.seq_len
         window_steps, dt, data_wait = win.steps, win.elapsed(), win.data_wait
         rec: dict = {"loss": verdict.loss}
-        if cfg.model.family == "mixtral":
-            rec["aux_loss"] = _mean_across_ranks(aux, world)
+        if aux is not None:  # MoE: the router's load-balancing loss, per micro-batch
+            rec["aux_loss"] = _mean_across_ranks(aux / cfg.accumulation, world)
         tps = window_steps * gb * seq / dt
         grad_norm = engine.get_global_grad_norm()
         rec.update({
@@ -503,6 +506,14 @@ def _to_device(rows: np.ndarray, device: torch.device, pin: bool) -> torch.Tenso
     if device.type != "cuda":
         return x.long()
     return (x.pin_memory() if pin else x).to(device, non_blocking=pin).long()
+
+
+def _total(parts: list) -> Optional[torch.Tensor]:
+    """The fp32 sum of a step's per-micro-batch values (None for none)."""
+    if not parts:
+        return None
+    total = parts[0] if len(parts) == 1 else torch.stack(parts).sum()
+    return total if total.dtype == torch.float32 else total.float()
 
 
 def _counters(from_memory, resumed) -> tuple[int, int]:

@@ -122,14 +122,22 @@ class RunLog:
         with open(self._local, "a") as f:
             f.write(json.dumps(rec) + "\n")
         if sync or (sync is None and not self.remote):
-            self.sync()
+            self.sync(durable=bool(sync))
         return rec
 
-    def sync(self) -> None:
-        if self.enabled:
-            self.open()
-            storage.upload_file(self._local, storage.join(self.run_uri, METRICS))
-            self._synced = len(self.history)
+    def sync(self, *, durable: bool = True) -> None:
+        """The history to storage: on a local run directory the lines since the last sync are appended (a log step
+        costs the same at step 10 and at step 100,000); on object storage the file is copied whole."""
+        if not self.enabled:
+            return
+        self.open()
+        uri = storage.join(self.run_uri, METRICS)
+        if self.remote or self._synced == 0 or self._synced > len(self.history):
+            storage.upload_file(self._local, uri)
+        elif self._synced < len(self.history):
+            storage.append_text(uri, "".join(json.dumps(r) + "\n" for r in self.history[self._synced:]),
+                                durable=durable)
+        self._synced = len(self.history)
 
     def unsynced(self) -> list[dict]:
         """The records written since the last upload to storage (what a memory snapshot carries)."""
@@ -144,6 +152,7 @@ class RunLog:
         self._history = [r for r in self.history if r.get("step", 0) <= step]
         with open(self._local, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in self.history)
+        self._synced = 0  # the file in storage is replaced whole
         self.sync()
 
     def console(self, rec: dict) -> None:

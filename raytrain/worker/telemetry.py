@@ -79,12 +79,18 @@ def measured_cpu_peak_tflops(threads: int, n: int = 512) -> float:
     return peak
 
 
+_PROCESS = None
+
+
 def device_memory(cuda: bool) -> dict:
     """Host RSS of this process and, on GPU, allocated / reserved / peak accelerator memory (GiB) and the used
     fraction of the device (on CPU: of the host), which the memory rule watches."""
     import psutil
 
-    m = {"host_rss_gb": psutil.Process().memory_info().rss / 2**30}
+    global _PROCESS
+    if _PROCESS is None or _PROCESS.pid != os.getpid():
+        _PROCESS = psutil.Process()  # made once: psutil.Process() reads /proc for the process's identity
+    m = {"host_rss_gb": _PROCESS.memory_info().rss / 2**30}
     if cuda:
         free, total = torch.cuda.mem_get_info()
         m.update({"gpu_mem_alloc_gb": torch.cuda.memory_allocated() / 2**30,

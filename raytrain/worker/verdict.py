@@ -65,20 +65,32 @@ class _Reduction:
         return (landed(out) if late else out).tolist()
 
 
+class _Alone:
+    """One rank's values where there is no other rank on the host (nothing to reduce, nothing to copy): the loss
+    tensor is kept and read when its step is judged."""
+
+    def __init__(self, loss: torch.Tensor, values: list, step: int, deciding: bool):
+        self.loss, self.values, self.step, self.deciding = loss, values, step, deciding
+
+    def read(self, late: bool) -> list[float]:
+        return [(landed(self.loss) if late else self.loss).item(), *self.values]
+
+
 class StepAgreement:
     """Takes the step's vote: `agree(loss, step, now=...)` -> StepVerdict, the same on every rank."""
 
     def __init__(self, *, notice, cadence, rank: int, world: int, device: torch.device | str = "cpu",
-                 snapshots=None, copies: int = 1):
+                 snapshots=None, copies: int = 1, accumulation: int = 1):
         self.notice, self.cadence, self.rank, self.world = notice, cadence, rank, world
+        self.ranks_x_micro = world * accumulation  # the loss each rank gives is its sum over its micro-batches
         self.copies = copies  # ranks holding the same rows (a tensor-parallel group): for the content checksum
         self.snapshots = snapshots  # the memory snapshot interval (ckpt/snapshot_interval.py): agreed once, here
         self.device = torch.device(device)  # where the flags are reduced: NCCL reduces device tensors only
         self.pending: Optional[_Reduction] = None
 
     def agree(self, loss: torch.Tensor, step: int, now: bool = True, content: int = 0) -> StepVerdict:
-        """Collective. [loss, content checksum share, SIGTERM, drain, rank 0 wants a checkpoint, snapshot interval
-        proposal], summed over ranks in float64 (the checksum shares, below 2**32, add up exactly); the flags are
+        """Collective. [loss (this rank's sum over its micro-batches), content checksum share, SIGTERM, drain, rank 0
+        wants a checkpoint, snapshot interval proposal], summed over ranks in float64 (the checksum shares, below 2**32, add up exactly); the flags are
         sent only when a notice, an agreed cadence or the snapshot interval's agreement can set them. now=False:
         this step's result is read at the next call (module docstring)."""
         losses, want_now, checksum = [], False, None
@@ -86,7 +98,7 @@ class StepAgreement:
         def take(r: _Reduction) -> None:
             nonlocal want_now, checksum
             out = r.read(late=r.step != step)
-            losses.append((r.step, out[0] / self.world))
+            losses.append((r.step, out[0] / self.ranks_x_micro))
             checksum = content_checksum.combine(round(out[1]), self.copies)
             if len(out) > 2:
                 self.notice.heard(out[2] > 0, out[3] > 0)
@@ -104,13 +116,7 @@ class StepAgreement:
             # (a vote read just now checkpoints this step: no second vote for the same checkpoint)
             want = self.cadence.agreed and self.rank == 0 and self.cadence.due(step) and not want_now
             values += [float(sig), float(drain), float(want), self.snapshots.proposal() if deciding else 0.0]
-        # Host values enter by fill kernels (their arguments), not by a copy from pageable memory, which on CUDA
-        # would wait for every kernel queued so far.
-        v = torch.empty(1 + len(values), dtype=torch.float64, device=self.device)
-        v[0].copy_(loss.detach().reshape(()))
-        for i, x in enumerate(values, 1):
-            v[i].fill_(x)
-        reduction = _Reduction(v, step, self.world, deciding)
+        reduction = self._launch(loss.detach(), values, step, deciding)
         # A step that checkpoints (a vote or a notice read late says so) reads its own loss first: no checkpoint is
         # of weights whose loss nobody judged (a rollback to it would restore the bad step).
         if now or self.notice.pending is not None or (want_now if self.cadence.agreed else self.cadence.due(step)):
@@ -119,6 +125,22 @@ class StepAgreement:
             self.pending = reduction
         due = want_now if self.cadence.agreed else self.cadence.due(step)
         return StepVerdict(losses=tuple(losses), preempted=self.notice.take(), checkpoint_now=due, content=checksum)
+
+    def _launch(self, loss: torch.Tensor, values: list, step: int, deciding: bool):
+        """The step's all-reduce of [loss, *values], started (nothing to start for a lone rank on the host)."""
+        if self.world == 1 and self.device.type == "cpu":
+            return _Alone(loss, values, step, deciding)
+        if self.device.type == "cuda":
+            # Host values enter by fill kernels (their arguments), not by a copy from pageable memory, which on
+            # CUDA would wait for every kernel queued so far.
+            v = torch.empty(1 + len(values), dtype=torch.float64, device=self.device)
+            v[0].copy_(loss.reshape(()))
+            for i, x in enumerate(values, 1):
+                v[i].fill_(x)
+        else:  # on the host each tensor op costs tens of microseconds between a step's kernels: two, not twelve
+            v = torch.tensor([0.0, *values], dtype=torch.float64, device=self.device)
+            v[0] = loss
+        return _Reduction(v, step, self.world, deciding)
 
     def drop(self) -> None:
         """Forget a step in flight (a rollback discards its step); its all-reduce completes first."""
