@@ -393,13 +393,13 @@ class StorageSection(Section):
                 os.environ[var] = value
 
 
-
 def takes_chunked_loss(loss: str, *, zero_stage: int, tensor_parallel: int = 1, lora: bool = False) -> bool:
     """Whether training takes the chunked loss (model.loss; auto: ZeRO 0-2, no tensor parallelism, no LoRA), which
     never holds a micro-batch's whole [tokens, vocab] logits."""
     if loss != "auto":
         return loss == "chunked"
     return zero_stage < 3 and tensor_parallel == 1 and not lora
+
 
 class Config(Section):
     """A whole run. `raytrain config --config NAME` prints it resolved."""

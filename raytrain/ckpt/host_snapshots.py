@@ -219,11 +219,16 @@ class MemoryTier:
             return
         t0 = time.perf_counter()
         pending, _tensors, path, step = self._pending  # the tensors are held until the copy has read them
-        self._pending = None
-        if isinstance(pending, snapshot.PendingWrite):
-            pending.finish()
-        else:
-            pending.result()  # committed by the copier
+        try:
+            if isinstance(pending, snapshot.PendingWrite):
+                pending.finish()
+            else:
+                pending.result()  # committed by the copier
+        except Exception as e:
+            raise RuntimeError(f"rank {self.rank}: the memory snapshot of step {step} could not be copied to {path}: "
+                               f"{type(e).__name__}: {e}") from e
+        finally:
+            self._pending = None  # cleared once the copy is over: `invalidate` must not miss one still running
         self.last_stall_s = self._launch_s + time.perf_counter() - t0
         self._replicate(path, step)
 

@@ -167,7 +167,8 @@ def write_mapped(mapping: "Mapping", meta: dict, skeleton: bytes, tensors: list)
             n = b.numel()
             off = _aligned(off)
             if n:
-                mapping.buf[off:off + n].copy_(b)  # torch's copy: threaded, without the GIL
+                # numpy's copy: one thread, without the GIL (it runs beside the step, whose threads it must not crowd)
+                np.copyto(mapping.buf[off:off + n].numpy(), b.numpy())
             bufs.append({"off": off, "n": n, "sum": checksum(b.numpy())})
             off += n
         return _commit(view, mapping.path, {**meta, "buffers": bufs, "layout": layout_of(tensors)}, off)

@@ -300,6 +300,7 @@ class WorkerRun:
 
     def finish(self) -> None:
         """The final upload and commit, the data counters (collective) and summary.json (rank 0)."""
+        self.memory.settle()  # the last snapshot's copy, committed (and offered to a peer) before the attempt ends
         if self.attempt.first:  # resumed at the last step: no step, so the records were not opened yet
             self._open_records()
         data_stats = self.data.stats(self.world, self.window.since_start(), self.state.samples_seen)
@@ -512,7 +513,7 @@ def _total(parts: list) -> Optional[torch.Tensor]:
     """The fp32 sum of a step's per-micro-batch values (None for none)."""
     if not parts:
         return None
-    total = parts[0] if len(parts) == 1 else torch.stack(parts).sum()
+    total = parts[0] if len(parts) == 1 else torch.stack(parts).sum(dtype=torch.float32)
     return total if total.dtype == torch.float32 else total.float()
 
 

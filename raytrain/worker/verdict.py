@@ -86,13 +86,13 @@ class StepAgreement:
         self.copies = copies  # ranks holding the same rows (a tensor-parallel group): for the content checksum
         self.snapshots = snapshots  # the memory snapshot interval (ckpt/snapshot_interval.py): agreed once, here
         self.device = torch.device(device)  # where the flags are reduced: NCCL reduces device tensors only
-        self.pending: Optional[_Reduction] = None
+        self.pending: Optional[_Reduction | _Alone] = None
 
     def agree(self, loss: torch.Tensor, step: int, now: bool = True, content: int = 0) -> StepVerdict:
         """Collective. [loss (this rank's sum over its micro-batches), content checksum share, SIGTERM, drain, rank 0
-        wants a checkpoint, snapshot interval proposal], summed over ranks in float64 (the checksum shares, below 2**32, add up exactly); the flags are
-        sent only when a notice, an agreed cadence or the snapshot interval's agreement can set them. now=False:
-        this step's result is read at the next call (module docstring)."""
+        wants a checkpoint, snapshot interval proposal], summed over ranks in float64 (the checksum shares, below
+        2**32, add up exactly); the flags are sent only when a notice, an agreed cadence or the snapshot interval's
+        agreement can set them. now=False: this step's result is read at the next call (module docstring)."""
         losses, want_now, checksum = [], False, None
 
         def take(r: _Reduction) -> None:
