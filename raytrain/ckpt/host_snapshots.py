@@ -93,6 +93,20 @@ def apply(engine, sd: dict) -> TrainState:
     return TrainState.from_dict(sd["train_state"])
 
 
+class _HostWrite:
+    """A generation being written by the host copier (a Future of snapshot.write_mapped, which commits it), with
+    snapshot.PendingWrite's `finish` and `wait`."""
+
+    def __init__(self, future):
+        self.future = future
+
+    def finish(self) -> None:
+        self.future.result()
+
+    def wait(self) -> None:
+        self.future.exception()  # its failure does not matter to a caller that invalidates the generation
+
+
 class MemoryTier:
     """One rank's snapshots in its node's shared memory: `snapshot` after the optimizer step, `candidates` and
     `load` at start-up. Off (every method a no-op) when checkpoint.memory is false or the budget does not fit."""
@@ -204,8 +218,9 @@ class MemoryTier:
         else:
             # Host tensors: copied and checksummed by a thread of their own (both without the GIL) while the next
             # step computes, as a GPU's side stream does; `settle` waits for it before the optimizer step.
-            self._pending = (self._host_copier().submit(snapshot.write_mapped, self._mapping(self._gen, path), meta,
-                                                        skeleton, tensors), tensors, path, state.step)
+            copy = self._host_copier().submit(snapshot.write_mapped, self._mapping(self._gen, path), meta, skeleton,
+                                              tensors)
+            self._pending = (_HostWrite(copy), tensors, path, state.step)
         self._gen = 1 - self._gen
         self._took = True
         self.last_stall_s = self._launch_s = time.perf_counter() - t0
@@ -220,10 +235,7 @@ class MemoryTier:
         t0 = time.perf_counter()
         pending, _tensors, path, step = self._pending  # the tensors are held until the copy has read them
         try:
-            if isinstance(pending, snapshot.PendingWrite):
-                pending.finish()
-            else:
-                pending.result()  # committed by the copier
+            pending.finish()
         except Exception as e:
             raise RuntimeError(f"rank {self.rank}: the memory snapshot of step {step} could not be copied to {path}: "
                                f"{type(e).__name__}: {e}") from e
@@ -266,10 +278,7 @@ class MemoryTier:
         if self._pending is not None:  # a copy in flight belongs to the ending timeline: invalidated below
             pending = self._pending[0]
             self._pending = None
-            if isinstance(pending, snapshot.PendingWrite):
-                pending.done.synchronize()
-            else:
-                pending.exception()  # waits; its failure does not matter, the generation is invalidated
+            pending.wait()
         for path in self._paths.values():
             snapshot.invalidate(path)
         self._gen = 0

@@ -229,6 +229,10 @@ class PendingWrite:
     def __init__(self, mapping: Mapping, header: dict, off: int, sums, done):
         self.mapping, self.header, self.off, self.sums, self.done = mapping, header, off, sums, done
 
+    def wait(self) -> None:
+        """Until the copies have read their sources (the generation stays uncommitted)."""
+        self.done.synchronize()
+
     def finish(self) -> dict:
         self.done.synchronize()
         for b, s in zip(self.header["buffers"][1:], self.sums.tolist()):

@@ -132,7 +132,7 @@ class RunLog:
             return
         self.open()
         uri = storage.join(self.run_uri, METRICS)
-        if self.remote or self._synced == 0 or self._synced > len(self.history):
+        if self.remote or self._synced == 0:  # (0: opened, or rewound: the file is replaced whole)
             storage.upload_file(self._local, uri)
         elif self._synced < len(self.history):
             storage.append_text(uri, "".join(json.dumps(r) + "\n" for r in self.history[self._synced:]),
