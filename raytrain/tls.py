@@ -2,7 +2,10 @@
 checked before a server or client uses them, each problem one line saying what to do.
 
 One CA per cluster signs every node's certificate (Ray's mutual TLS: RAY_TLS_SERVER_CERT / _KEY / RAY_TLS_CA_CERT on
-every node and driver) and `raytrain serve`'s; private keys are written 0600 and never printed.
+every node and driver) and `raytrain serve`'s; private keys are written 0600 (also over an existing file) and never
+printed, and a key encrypted with a passphrase is refused in one line. Certificates carry the extensions strict
+verifiers require (Python 3.13's default context sets VERIFY_X509_STRICT): key identifiers, Key Usage, Basic
+Constraints (tests/test_tls_strict.py).
 """
 
 from __future__ import annotations
@@ -49,6 +52,32 @@ def _check_dates(cert, path: str, what: str, kind: str) -> None:
                         "check this machine's clock")
 
 
+def _unencrypted_only(key: str, what: str) -> str:
+    return (f"{what}: key {key} is encrypted with a passphrase, which raytrain cannot pass on (Ray and Serve read "
+            "key files unattended); supply an unencrypted key (file mode 0600), e.g. `openssl pkey -in KEY -out KEY2`")
+
+
+def _encrypted(data: bytes) -> bool:
+    return b"BEGIN ENCRYPTED PRIVATE KEY" in data or b"Proc-Type: 4,ENCRYPTED" in data  # PKCS#8 / traditional PEM
+
+
+def _check_unencrypted(key: str, what: str) -> bytes:
+    """The key file's bytes: readable and not encrypted with a passphrase (loading one would stop at OpenSSL's
+    passphrase prompt, or fail deep inside Ray's processes, which read it unattended)."""
+    data = _read(key, what, "key")
+    if _encrypted(data):
+        raise UserError(_unencrypted_only(key, what))
+    return data
+
+
+def _no_passphrase(key: str, what: str):
+    """For `load_cert_chain(password=...)`: OpenSSL asks it instead of prompting on the terminal when the key turns
+    out to be encrypted after all (a form `_encrypted` does not know)."""
+    def ask():
+        raise UserError(_unencrypted_only(key, what))
+    return ask
+
+
 def check_ca(ca: str, what: str) -> None:
     """A CA bundle: readable, PEM, in date."""
     _check_dates(_certificate(ca, what, "CA certificate"), ca, what, "CA certificate")
@@ -59,10 +88,10 @@ def check_pair(cert: str, key: str, what: str, ca: Optional[str] = None) -> None
     the certificate signed by it."""
     c = _certificate(cert, what)
     _check_dates(c, cert, what, "certificate")
-    _read(key, what, "key")
+    _check_unencrypted(key, what)
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     try:
-        ctx.load_cert_chain(cert, key)
+        ctx.load_cert_chain(cert, key, password=_no_passphrase(key, what))
     except ssl.SSLError as e:
         if "KEY_VALUES_MISMATCH" in str(e):
             raise UserError(f"{what}: key {key} does not match the certificate {cert}; give the key made with that "
@@ -84,7 +113,7 @@ def server_context(cert: str, key: str) -> ssl.SSLContext:
     """A server context that refuses TLS 1.1 and older (TLS 1.3 is what modern clients negotiate)."""
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    ctx.load_cert_chain(cert, key)
+    ctx.load_cert_chain(cert, key, password=_no_passphrase(key, "tls"))
     return ctx
 
 
@@ -96,8 +125,39 @@ def _key():
     return ec.generate_private_key(ec.SECP256R1())
 
 
-def _leaf(issuer, ca_key, key, hosts: list[str], start, end):
-    """A certificate for `hosts` (IP addresses and names), for server and client use, signed by the CA's key."""
+def _key_usage(key, ca: bool):
+    """Key Usage (critical): a CA signs certificates and CRLs only; a leaf signs its handshakes, and with an RSA key
+    may also receive the key exchange's secret (TLS 1.2's RSA key transport), which an EC key cannot."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    return x509.KeyUsage(digital_signature=not ca, content_commitment=False,
+                         key_encipherment=not ca and isinstance(key, rsa.RSAPrivateKey), data_encipherment=False,
+                         key_agreement=False, key_cert_sign=ca, crl_sign=ca, encipher_only=False,
+                         decipher_only=False)
+
+
+def _ca(ca_key, start, end):
+    """The cluster's self-signed CA, with what strict verifiers (OpenSSL's X509_V_FLAG_X509_STRICT, Python 3.13's
+    default context) require of a CA: Basic Constraints critical, Key Usage, a Subject Key Identifier."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.x509.oid import NameOID
+
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "raytrain cluster CA")])
+    return (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(ca_key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(start).not_valid_after(end)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(_key_usage(ca_key, ca=True), critical=True)
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
+            .sign(ca_key, hashes.SHA256()))
+
+
+def _leaf(ca, ca_key, key, hosts: list[str], start, end):
+    """A certificate for `hosts` (IP addresses and names), for server and client use (a Ray node is both), signed by
+    the CA `ca` with its key. Every extension a strict verifier looks for: Authority Key Identifier (which of the
+    CA's keys signed it; a strict client refuses a leaf without one), Subject Key Identifier, Key Usage, Basic
+    Constraints (not a CA), Extended Key Usage serverAuth + clientAuth."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
@@ -108,44 +168,62 @@ def _leaf(issuer, ca_key, key, hosts: list[str], start, end):
             names.append(x509.IPAddress(ipaddress.ip_address(h)))
         except ValueError:
             names.append(x509.DNSName(h))
+    # The CA's own Subject Key Identifier, so that chain builders pair them; a CA made before raytrain wrote one has
+    # none: the same digest computed from its key.
+    try:
+        aki = x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(
+            ca.extensions.get_extension_for_class(x509.SubjectKeyIdentifier).value)
+    except x509.ExtensionNotFound:
+        aki = x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key())
     return (x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0][:64])])).issuer_name(issuer)
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0][:64])])).issuer_name(ca.subject)
             .public_key(key.public_key()).serial_number(x509.random_serial_number())
             .not_valid_before(start).not_valid_after(end)
             .add_extension(x509.SubjectAlternativeName(names), critical=False)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(_key_usage(key, ca=False), critical=True)
             .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
                            critical=False)
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+            .add_extension(aki, critical=False)
             .sign(ca_key, hashes.SHA256()))
 
 
 def _write_key(path: str, key) -> None:
+    """The key, 0600 whatever was at `path` before: written to a new file made 0600 beside it, then renamed over
+    it (a file rewritten in place would keep its old mode, perhaps readable by everyone; a crash leaves the old
+    file or the new one, never half a key)."""
     from cryptography.hazmat.primitives import serialization
 
     data = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                              serialization.NoEncryption())
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # never readable by others, not even briefly
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
+    tmp = f"{path}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # never readable by others, not even briefly
+    try:
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o600)  # exactly 0600 whatever the umask
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
 
 
 def make(out_dir: str, hosts: tuple[str, ...] = ("127.0.0.1", "localhost"), days: int = 365,
          not_before: Optional[datetime.datetime] = None) -> dict:
     """A CA (ca.crt, ca.key) and one certificate it signs for `hosts` (server.crt, server.key: server and client
     use, so Ray's mutual TLS and HTTPS serving can share it). Returns their paths."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes
-    from cryptography.x509.oid import NameOID
-
     os.makedirs(out_dir, exist_ok=True)
     start = not_before or datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(minutes=5)
     end = start + datetime.timedelta(days=days)
     ca_key, key = _key(), _key()
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "raytrain cluster CA")])
-    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
-          .serial_number(x509.random_serial_number()).not_valid_before(start).not_valid_after(end)
-          .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-          .sign(ca_key, hashes.SHA256()))
-    cert = _leaf(ca_name, ca_key, key, list(hosts), start, end)
+    ca = _ca(ca_key, start, end)
+    cert = _leaf(ca, ca_key, key, list(hosts), start, end)
     from cryptography.hazmat.primitives import serialization
 
     paths = {name: os.path.join(out_dir, name) for name in ("ca.crt", "ca.key", "server.crt", "server.key")}
@@ -213,7 +291,7 @@ def sign_node(ca_dir: str, out_dir: str, hosts, days: int = 30, what: str = "tls
     ca_crt, ca_key_path = os.path.join(ca_dir, "ca.crt"), os.path.join(ca_dir, "ca.key")
     check_pair(ca_crt, ca_key_path, what)  # readable, in date, the key the CA's
     ca = _certificate(ca_crt, what, "CA certificate")
-    ca_key = serialization.load_pem_private_key(_read(ca_key_path, what, "key"), password=None)
+    ca_key = serialization.load_pem_private_key(_check_unencrypted(ca_key_path, what), password=None)
     seen = []
     for h in [*hosts, "127.0.0.1", "localhost"]:
         h = h.strip()
@@ -223,7 +301,7 @@ def sign_node(ca_dir: str, out_dir: str, hosts, days: int = 30, what: str = "tls
     start = now - datetime.timedelta(minutes=5)
     end = min(now + datetime.timedelta(days=days), ca.not_valid_after_utc)
     key = _key()
-    cert = _leaf(ca.subject, ca_key, key, seen, start, end)
+    cert = _leaf(ca, ca_key, key, seen, start, end)
     os.makedirs(out_dir, exist_ok=True)
     paths = {name: os.path.join(out_dir, name) for name in ("ca.crt", "server.crt", "server.key")}
     _write_key(paths["server.key"], key)

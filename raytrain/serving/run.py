@@ -113,8 +113,9 @@ def serve_forever(model: str, port: int = 8000, host: str = "127.0.0.1", version
 
 def https_options(certfile: Optional[str], keyfile: Optional[str]) -> dict:
     """Serve's HTTPOptions for HTTPS (`ssl_certfile`, `ssl_keyfile`, absolute: Serve's proxies read them in their
-    own processes, on every node with a replica), checked here first with one line per problem (missing, unreadable, not PEM,
-    expired, not yet valid, a key that is not the certificate's); {} for plain HTTP.
+    own processes, on every node with a replica), checked here first with one line per problem (missing,
+    unreadable, not PEM, expired, not yet valid, a key that is not the certificate's, a key encrypted with a
+    passphrase); {} for plain HTTP.
 
     Serve 2.60 hands them to uvicorn, whose context is Python's default server context: TLS 1.2 at the least
     (TLS 1.1 and older refused by the handshake), TLS 1.3 with every modern client; Serve has no setting to
@@ -126,16 +127,7 @@ def https_options(certfile: Optional[str], keyfile: Optional[str]) -> dict:
     if not (certfile and keyfile):
         raise UserError("serve: HTTPS needs both --ssl-certfile CERT and --ssl-keyfile KEY (`scripts/tls_certs.sh DIR` "
                         "makes a pair); pass neither for plain HTTP")
-    try:
-        with open(keyfile, "rb") as f:
-            head = f.read(1 << 16)
-        encrypted = b"BEGIN ENCRYPTED PRIVATE KEY" in head or b"Proc-Type: 4,ENCRYPTED" in head
-    except OSError:
-        encrypted = False  # check_pair says what is wrong with it
-    if encrypted:  # loading it would stop at OpenSSL's password prompt
-        raise UserError(f"serve: key {keyfile} is encrypted with a passphrase, which raytrain serve cannot pass on; "
-                        "give an unencrypted key (file mode 0600), e.g. `openssl pkey -in KEY -out KEY2`")
-    tls.check_pair(certfile, keyfile, "serve")
+    tls.check_pair(certfile, keyfile, "serve")  # an encrypted key too: one line, never OpenSSL's passphrase prompt
     return {"ssl_certfile": os.path.abspath(certfile), "ssl_keyfile": os.path.abspath(keyfile)}
 
 
