@@ -199,12 +199,14 @@ class _Events:
         pass
 
 
-def _request(method: str, path: str, body: dict | None = None):
+def _request(method: str, path: str, body: dict | None = None, token: str | None = None):
     from starlette.requests import Request
 
     raw = json.dumps(body).encode() if body is not None else b""
+    headers = [(b"content-type", b"application/json"),
+               *([(b"authorization", f"Bearer {token}".encode())] if token is not None else [])]
     scope = {"type": "http", "method": method, "path": path, "raw_path": path.encode(), "query_string": b"",
-             "headers": [(b"content-type", b"application/json")], "client": ("127.0.0.1", 5000),
+             "headers": headers, "client": ("127.0.0.1", 5000),
              "server": ("127.0.0.1", 8000), "scheme": "http", "root_path": ""}
 
     async def receive():
@@ -246,17 +248,30 @@ async def _load_with(router, action: str, n: int = N_LOAD) -> list[int]:
 
     first = [asyncio.ensure_future(one(i)) for i in range(n // 2)]
     await asyncio.sleep(0)
-    admin = await router(_request("POST", f"/admin/{action}", {}))
+    admin = await router(_request("POST", f"/admin/{action}", {}, token=TOKEN))
     assert admin.status_code == 200, admin.body
     rest = [asyncio.ensure_future(one(i)) for i in range(n // 2, n)]
     bad = await router(_request("POST", "/predict", {"txt": PROMPT}))  # refused (422): still one record
     return [*(await asyncio.gather(*first, *rest)), bad.status_code]
 
 
-def test_router_records_deploy_promote_rollback_and_every_request_without_text(tmp_path, monkeypatch):
+TOKEN = "test-token-0123456789"
+
+
+def _token_auth(monkeypatch, on: bool) -> None:
+    """The router's admin check as on a cluster with Ray token authentication `on` and this machine's token TOKEN.
+    On: Ray's own check is not asked (it reads the token Ray loaded, not this test's): the fallback that compares
+    with this machine's token, which is what Ray's check does."""
     import raytrain.internals.ray as internals
 
-    monkeypatch.setattr(internals, "token_auth_enabled", lambda: False)  # admin calls from 127.0.0.1
+    monkeypatch.setenv("RAY_AUTH_TOKEN", TOKEN)
+    monkeypatch.setattr(internals, "token_auth_enabled", lambda: on)
+    real_gate = internals.gate
+    monkeypatch.setattr(internals, "gate", lambda name: name != internals.AUTH_CHECK and real_gate(name))
+
+
+def test_router_records_deploy_promote_rollback_and_every_request_without_text(tmp_path, monkeypatch):
+    _token_auth(monkeypatch, on=True)  # admin calls carry the token
     root = str(tmp_path / "model.audit")
     promoted, rolled_back = _router(root), _router(root)  # two deployments, one audit root, a writer each
     statuses = asyncio.run(_load_with(promoted, "promote")) + asyncio.run(_load_with(rolled_back, "rollback"))
@@ -285,6 +300,32 @@ def test_router_records_deploy_promote_rollback_and_every_request_without_text(t
         assert after == {version}, (action, after)
     text = "".join(p.read_text() for p in Path(root).rglob("*.jsonl"))
     assert PROMPT not in text and "answer of" not in text  # digests and lengths only
+
+
+def test_admin_calls_without_a_credential_are_refused_from_loopback_too(tmp_path, monkeypatch):
+    """A peer's address is no credential (a TLS proxy on the serving host is a loopback peer): with token
+    authentication off every admin call is refused, from 127.0.0.1 too, token or not; with it on, one without the
+    token or with a wrong one is refused. Nothing changes and no admin record is written."""
+    root = str(tmp_path / "model.audit")
+    router = _router(root)
+    before = router.traffic()
+
+    async def call(method: str, path: str, token: str | None):
+        r = await router(_request(method, path, {} if method == "POST" else None, token=token))
+        return r.status_code, json.loads(r.body)["error"]
+
+    _token_auth(monkeypatch, on=False)
+    for method, path in (("POST", "/admin/promote"), ("POST", "/admin/rollback"), ("GET", "/admin/traffic")):
+        for token in (None, TOKEN):
+            status, error = asyncio.run(call(method, path, token))
+            assert status == 403 and "RAY_AUTH_MODE=token" in error and "\n" not in error, (path, token, error)
+    _token_auth(monkeypatch, on=True)
+    for token in (None, "wrong"):
+        status, error = asyncio.run(call("POST", "/admin/promote", token))
+        assert status == 401 and "Ray auth token" in error, (token, error)
+    assert router.traffic() == before
+    router.__del__()
+    assert not [r for r in read(root) if r["kind"] in ("traffic", "promote", "rollback")]
 
 
 def test_router_keeps_the_text_only_when_asked(tmp_path, monkeypatch):

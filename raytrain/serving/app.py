@@ -520,15 +520,17 @@ class Router:
         from raytrain.internals.ray import token_auth_enabled, valid_request_token
         from raytrain.ray_auth import local_token
 
-        # Whoever may submit Ray jobs may move traffic: the same token, when the cluster uses one; without
-        # token authentication only this machine may.
-        if token_auth_enabled():
-            if not valid_request_token(request.headers.get("authorization", ""), local_token()):
-                raise RequestError(401, "traffic changes need the Ray auth token: Authorization: Bearer <token> "
-                                   "(`raytrain serve promote|rollback|split` sends it)")
-        elif getattr(request.client, "host", None) not in ("127.0.0.1", "::1", "localhost"):
-            raise RequestError(403, "Ray token authentication is off: traffic changes are accepted from the "
-                               "serving machine only (or start Ray with RAY_AUTH_MODE=token)")
+        # Whoever may submit Ray jobs may move traffic: the same token. Without token authentication there is no
+        # credential to check, and a peer's address is none: a TLS proxy, a sidecar or any local process is a
+        # loopback peer. So admin calls are refused then, from every address (the audit record keeps the peer's
+        # address as information only).
+        if not token_auth_enabled():
+            raise RequestError(403, "admin calls need a credential and Ray token authentication is off: restart "
+                               "Ray and `raytrain serve` with RAY_AUTH_MODE=token, then send the Ray token "
+                               "(`raytrain serve promote|rollback|split` sends it)")
+        if not valid_request_token(request.headers.get("authorization", ""), local_token()):
+            raise RequestError(401, "traffic changes need the Ray auth token: Authorization: Bearer <token> "
+                               "(`raytrain serve promote|rollback|split` sends it)")
         if request.method != "POST":
             return 200, self.traffic()
         before, version = self.traffic(), self.canary
