@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.run(args)
     except UserError as e:
         print(f"raytrain: error: {e}", file=sys.stderr)
-        return 2
+        return getattr(e, "exit_status", 2)  # 3: an elastic run waited run.max_wait_for_capacity (docs/FAULT_TOLERANCE.md)
     except KeyboardInterrupt:
         print("raytrain: interrupted", file=sys.stderr)
         return 130

@@ -202,7 +202,7 @@ class DeepSpeedSection(Section):
 class ScalingSection(Section):
     """Ray Train workers and the CPUs they need beside the training step."""
 
-    num_workers: int = Field(2, ge=1, description="Ray Train workers (data-parallel ranks)")
+    num_workers: Union[int, list[int]] = Field(2, description="Ray Train workers (data-parallel ranks): a number, or [MIN, MAX] for an elastic run that trains on the capacity there is, at any size in the range that keeps batch.global_batch_size (required with a range; micro-batch and accumulation then follow from the size, batch.gradient_accumulation_steps is not used)")
     use_gpu: bool = Field(False, description="one GPU per worker, NCCL; false: CPU and gloo")
     cpus_per_worker: float = Field(1.0, gt=0.0, description="logical CPUs per worker (also torch threads)")
     gpus_per_worker: float = Field(1.0, ge=0.0, description="GPUs per worker when use_gpu")
@@ -210,6 +210,37 @@ class ScalingSection(Section):
     data_cpus: float = Field(1.0, gt=0.0, description="logical CPUs reserved beside the workers' for work outside the step (each worker's data reader threads, checkpoint uploads); counted when sizing a local Ray instance, checking a cluster and packing Tune trials")
     collective_timeout_s: int = Field(1800, ge=1, description="a collective (gradient all-reduce, barrier) waiting longer than this fails with a diagnosis naming the rank and the collective instead of hanging; a warning is logged at half of it")
     address: Optional[str] = Field(None, description="Ray cluster address; null: RAY_ADDRESS if set, else a new local Ray instance")
+    resize_monitor_s: float = Field(30.0, gt=0, description="elastic runs: how often a running group looks for capacity to grow into")
+    grow_stable_s: Optional[float] = Field(None, ge=0, description="elastic runs: a node counts toward growing only once it has been alive this long, so a node that comes and goes costs at most one restart; null: resize_monitor_s")
+
+    @field_validator("num_workers", mode="before")
+    @classmethod
+    def _size_or_range(cls, v: Any) -> Any:
+        # One plain message instead of one error per branch of the union.
+        whole = lambda x: isinstance(x, int) and not isinstance(x, bool)  # noqa: E731
+        if whole(v) and v >= 1:
+            return v
+        if isinstance(v, (list, tuple)) and len(v) == 2 and all(whole(x) for x in v):
+            lo, hi = v
+            if lo < 1:
+                raise ValueError(f"[MIN, MAX] = {list(v)}: MIN must be >= 1")
+            if lo > hi:
+                raise ValueError(f"[MIN, MAX] = {list(v)}: MIN is larger than MAX")
+            return list(v)
+        raise ValueError("must be a whole number of workers >= 1 or a range [MIN, MAX]")
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the run's size is a range (raytrain/elastic.py follows the capacity inside it)."""
+        return isinstance(self.num_workers, list) and self.num_workers[0] != self.num_workers[1]
+
+    @property
+    def min_workers(self) -> int:
+        return self.num_workers[0] if isinstance(self.num_workers, list) else self.num_workers
+
+    @property
+    def max_workers(self) -> int:
+        return self.num_workers[1] if isinstance(self.num_workers, list) else self.num_workers
 
 
 
@@ -258,7 +289,8 @@ class RunSection(Section):
     log_every: int = Field(10, ge=1, description="metrics interval in steps (metrics.jsonl, Prometheus, TensorBoard)")
     progress_every: Optional[int] = Field(None, ge=1, description="console progress-line interval in steps, rounded up to a multiple of log_every; null: about 10 lines per run. Validation steps and the last step always print")
     max_failures: int = Field(3, ge=0, description="worker-failure restarts before the run fails")
-    max_preemptions: int = Field(-1, ge=-1, description="restarts after node preemptions, counted apart from failures; -1: unlimited")
+    max_preemptions: int = Field(-1, ge=-1, description="restarts after node preemptions (a worker lost with its node, or drained), counted apart from failures; -1: unlimited")
+    max_wait_for_capacity: Optional[float] = Field(None, gt=0, description="elastic runs: seconds the run may wait below scaling.num_workers' MIN for nodes to return before it ends (exit status 3); null: no limit")
 
 
 MLFLOW_SCHEMES = ("http", "https", "file", "sqlite", "postgresql", "mysql", "mssql", "databricks", "databricks-uc")
@@ -459,8 +491,13 @@ class Config(Section):
         if tp == 1:
             return self
         key = f"deepspeed.tensor_parallel_size={tp}"
-        if self.scaling.num_workers % tp:
-            raise ValueError(f"{key} must divide scaling.num_workers={self.scaling.num_workers}")
+        s = self.scaling
+        if not s.elastic and s.max_workers % tp:
+            raise ValueError(f"{key} must divide scaling.num_workers={s.max_workers}")
+        if s.elastic and not any(n % tp == 0 for n in range(s.min_workers, s.max_workers + 1)):
+            # An elastic run changes size in whole tensor-parallel groups.
+            raise ValueError(f"{key} divides no size in scaling.num_workers={s.num_workers}; widen the range to "
+                             f"include a multiple of {tp}")
         if m.family != "llama":
             # gpt2: "AutoTP not supported for model" (deepspeed/module_inject/auto_tp.py, Conv1D layers);
             # mixtral: its tp_plan styles 'moe_tp_experts' / 'packed_colwise' are rejected (tp_plan_converter.py).
@@ -515,6 +552,16 @@ class Config(Section):
     @model_validator(mode="after")
     def _batch_consistent(self) -> "Config":
         b, w = self.batch, self.data_parallel_size
+        if self.scaling.elastic:
+            if b.global_batch_size is None:
+                raise ValueError(f"scaling.num_workers={self.scaling.num_workers} (a range) needs "
+                                 "batch.global_batch_size: every size trains the same global batch")
+            if not self.sizes():
+                raise ValueError(f"no size in scaling.num_workers={self.scaling.num_workers} keeps "
+                                 f"batch.global_batch_size={b.global_batch_size}: it must divide by the data-parallel "
+                                 f"size (workers / deepspeed.tensor_parallel_size); choose a global batch with more "
+                                 f"divisors, e.g. {_batch_for(self.scaling.min_workers, self.scaling.max_workers)}")
+            return self
         if b.micro_batch_size == "auto":
             if b.global_batch_size is None:
                 raise ValueError("batch.micro_batch_size=auto needs batch.global_batch_size (the micro-batch and "
@@ -545,18 +592,62 @@ class Config(Section):
         b = self.batch
         if b.micro_batch_size == "auto":
             raise RuntimeError("batch.micro_batch_size=auto is resolved when training starts (raytrain/micro_batch.py)")
+        if self.scaling.elastic:  # at the largest size; a worker group of another size uses at_size(world)
+            return self.sizes()[max(self.sizes())][1]
         if b.gradient_accumulation_steps is not None:
             return b.gradient_accumulation_steps
         return b.global_batch_size // (b.micro_batch_size * self.data_parallel_size)
 
     @property
     def data_parallel_size(self) -> int:
-        """Workers that train on different data: the ranks of one tensor-parallel group share their batch."""
-        return max(1, self.scaling.num_workers // self.deepspeed.tensor_parallel_size)
+        """Workers that train on different data: the ranks of one tensor-parallel group share their batch (an
+        elastic run's: at its largest size; the workers use at_size(world) for the size they have)."""
+        return max(1, self.scaling.max_workers // self.deepspeed.tensor_parallel_size)
+
+    def sizes(self) -> dict[int, tuple[Optional[int], Optional[int]]]:
+        """The usable world sizes of this run, {workers: (micro_batch, accumulation)}: a size is usable when it
+        is a whole number of tensor-parallel groups and the global batch divides by its data-parallel size; its
+        micro-batch is the largest one no larger than batch.micro_batch_size that divides a rank's share
+        ((None, None) while micro_batch_size is auto). A fixed size: that size alone, as configured."""
+        s, tp, b = self.scaling, self.deepspeed.tensor_parallel_size, self.batch
+        if not s.elastic:
+            mb = None if b.micro_batch_size == "auto" else b.micro_batch_size
+            return {s.max_workers: (mb, self.accumulation if mb is not None else None)}
+        out: dict[int, tuple[Optional[int], Optional[int]]] = {}
+        for n in range(s.min_workers, s.max_workers + 1):
+            if n % tp or b.global_batch_size % (n // tp):
+                continue
+            share = b.global_batch_size // (n // tp)
+            if b.micro_batch_size == "auto":
+                out[n] = (None, None)
+                continue
+            mb = max(d for d in range(1, min(share, b.micro_batch_size) + 1) if share % d == 0)
+            out[n] = (mb, share // mb)
+        return out
+
+    def largest(self) -> "Config":
+        """This config at its largest usable size (an elastic run's; a fixed size: unchanged)."""
+        return self.at_size(max(self.sizes())) if self.scaling.elastic else self
+
+    def at_size(self, n: int) -> "Config":
+        """This config for a worker group of n workers (an elastic run's current size): micro-batch and accumulation
+        of that size, the same global batch. The fixed size: unchanged."""
+        if not self.scaling.elastic:
+            return self
+        table = self.sizes()
+        if n not in table:
+            raise UserError(f"{n} workers is not a usable size of scaling.num_workers={self.scaling.num_workers} "
+                            f"(usable: {sorted(table)})")
+        mb, acc = table[n]
+        if mb is None:
+            raise RuntimeError("batch.micro_batch_size=auto is resolved when training starts (raytrain/micro_batch.py)")
+        return self.model_copy(update={
+            "scaling": self.scaling.model_copy(update={"num_workers": n}),
+            "batch": self.batch.model_copy(update={"micro_batch_size": mb, "gradient_accumulation_steps": acc})})
 
     @property
     def global_batch(self) -> int:
-        if self.batch.micro_batch_size == "auto":
+        if self.batch.micro_batch_size == "auto" or self.scaling.elastic:
             return self.batch.global_batch_size
         return self.batch.micro_batch_size * self.accumulation * self.data_parallel_size
 
@@ -569,6 +660,16 @@ class Config(Section):
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def _batch_for(lo: int, hi: int) -> int:
+    """The smallest global batch every size in [lo, hi] divides (a suggestion in an error)."""
+    import math
+
+    out = 1
+    for n in range(lo, hi + 1):
+        out = out * n // math.gcd(out, n)
+    return out
 
 
 def reference_markdown() -> str:

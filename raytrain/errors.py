@@ -8,6 +8,12 @@ class UserError(Exception):
     """
 
 
+class CapacityTimeout(UserError):
+    """An elastic run waited run.max_wait_for_capacity below its MIN size and ends (exit status 3)."""
+
+    exit_status = 3
+
+
 def first_line(e: BaseException, limit: int = 200) -> str:
     """The line of an exception that names the cause: Ray prefixes errors raised in its workers with lines
     of its own ("ray::...", a traceback), and a log line or one-line error needs only the cause."""

@@ -99,6 +99,7 @@ def evaluate(checkpoint: Optional[str] = None, model_dir: Optional[str] = None, 
     if not val_uri:
         raise UserError("the run had no data.val; pass --data <prepared val split>")
     split = load_split(val_uri, "--data" if data else "the run's data.val")
+    cfg = cfg.largest() if cfg else None
     mb = cfg.batch.micro_batch_size if cfg else 8
     world = cfg.scaling.num_workers if cfg else 1
     rows = eval_rows(split, samples or (cfg.data.eval_samples if cfg else 512), mb, world)

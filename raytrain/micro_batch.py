@@ -24,17 +24,20 @@ def resolve(cfg: Config, *, vocab: int, memory_mb: float, log: Callable[[str], N
 
     if cfg.batch.micro_batch_size != "auto":
         return cfg
-    share = cfg.batch.global_batch_size // cfg.data_parallel_size
+    # An elastic run: sized at its smallest usable size, whose ranks hold the largest share of batch and states;
+    # each size then takes the largest micro-batch up to this one that divides its share (Config.sizes).
+    smallest = min(cfg.sizes())
+    share = cfg.batch.global_batch_size // (smallest // cfg.deepspeed.tensor_parallel_size)
     n_params = param_count(cfg, vocab)
 
-    def with_mb(mb: int) -> Config:
+    def with_mb(mb: int, at: int = smallest) -> Config:
         batch = cfg.batch.model_copy(update={"micro_batch_size": mb, "gradient_accumulation_steps": None})
-        return cfg.model_copy(update={"batch": batch})
+        return cfg.model_copy(update={"batch": batch, "scaling": cfg.scaling.model_copy(update={"num_workers": at})})
 
     for mb in sorted((d for d in range(1, share + 1) if share % d == 0), reverse=True):
         need = estimate_mb(with_mb(mb), vocab, n_params)["total_mb"]
         if need <= memory_mb:
-            out = Config.model_validate(with_mb(mb).to_dict())
+            out = Config.model_validate(with_mb(mb, cfg.scaling.num_workers).to_dict())
             log(f"[raytrain] batch.micro_batch_size=auto: {mb} (estimated {need / 1024:.2f} GiB of "
                 f"{memory_mb / 1024:.2f} GiB a worker may use), gradient accumulation {out.accumulation}, global batch "
                 f"{out.global_batch}")
@@ -56,7 +59,7 @@ def worker_memory_mb(cfg: Config) -> float:
         total = ray.get(ray.remote(num_gpus=1, num_cpus=0)(_gpu_memory_bytes).remote(), timeout=600)
         return GPU_SHARE * total / 2**20
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return host / 2**20 / max(1, cfg.scaling.num_workers)
+    return host / 2**20 / max(1, cfg.scaling.max_workers)
 
 
 def _gpu_memory_bytes() -> int:

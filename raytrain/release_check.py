@@ -75,7 +75,7 @@ def run_checks(model_dir: str, *, expect_params: Optional[int] = None, prompt: s
         from raytrain.data.manifest import load_split
         from raytrain.evaluation import eval_rows, loss_sums
 
-        cfg = Config.model_validate(meta["config"]) if "config" in meta else None
+        cfg = Config.model_validate(meta["config"]).largest() if "config" in meta else None
         mb, world = (cfg.batch.micro_batch_size, cfg.scaling.num_workers) if cfg else (8, 1)
         split = load_split(data, "--data")
         rows = eval_rows(split, cfg.data.eval_samples if cfg else 512, mb, world)

@@ -41,6 +41,8 @@ MIXTURE = _file("mixture.jsonl", "a data mixture's sources and weight schedule a
 HEALTH = _file("health.json", "the health report of a run the rules stopped", "rank 0")
 COMM_FAILURE = _file("comm_failure.txt", "the newest communication-failure diagnosis (rank, collective, "
                      "settings)", "the rank that waited")
+ELASTIC = _file("elastic.jsonl", "the Train controller's size events: each worker group's size, waits for capacity "
+                "and how long, growth, nodes lost (and charged to run.max_preemptions)", "driver, relaying the controller")
 NODES = _file("nodes.json", "node time by market and lost nodes, for `raytrain cost`", "driver")
 RESUME_MARKER = _file("resume_from.json", "`raytrain ckpt rollback`: the step the next resume starts from",
                       "`raytrain ckpt rollback`")

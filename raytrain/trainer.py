@@ -98,8 +98,9 @@ def init_ray(cfg: Config, command: str = "train") -> bool:
     """Connect to (or start) Ray as raytrain.ray_connect says. True when raytrain started a private local instance."""
     from raytrain.ray_connect import connect
 
-    # A local instance's logical CPUs cover the workers and scaling.data_cpus (the readers' threads, uploads).
-    need = cfg.scaling.num_workers * cfg.scaling.cpus_per_worker + cfg.scaling.data_cpus
+    # A local instance's logical CPUs cover the workers (an elastic run's MAX) and scaling.data_cpus (the readers'
+    # threads, uploads).
+    need = cfg.scaling.max_workers * cfg.scaling.cpus_per_worker + cfg.scaling.data_cpus
     return connect(command, cfg.scaling.address, local_cpus=need)
 
 
@@ -120,6 +121,9 @@ def check_resume_compatible(cfg: Config) -> Config:
     print(f"[raytrain] resuming run {cfg.run.name} from {info.uri} (step {info.step}, {wrote} workers)", flush=True)
     if not old_gb or old_gb == cfg.global_batch:
         return cfg
+    if cfg.scaling.elastic:
+        raise UserError(f"run {cfg.run.name} was trained with a global batch of {old_gb} sequences; an elastic run "
+                        f"keeps its global batch at every size: set batch.global_batch_size={old_gb}")
     dp = cfg.data_parallel_size  # tensor-parallel ranks share a batch: only data-parallel ranks add to it
     per_step = cfg.batch.micro_batch_size * dp
     if old_gb % per_step:
@@ -155,14 +159,15 @@ def check_cluster(cfg: Config, local: bool) -> None:
 
     res = ray.cluster_resources()
     s = cfg.scaling
-    wanted = {"GPU": s.num_workers * s.gpus_per_worker} if s.use_gpu else {}
-    wanted.update({k: v * s.num_workers for k, v in s.resources_per_worker.items()})
+    least = min(cfg.sizes())  # an elastic run starts at any usable size: its smallest is what it cannot do without
+    wanted = {"GPU": least * s.gpus_per_worker} if s.use_gpu else {}
+    wanted.update({k: v * least for k, v in s.resources_per_worker.items()})
     if cfg.data.reader == "ray" and not has_data_nodes() and cfg.data.ingest_resources is None:
         # the read tasks share the workers' nodes: one CPU beyond the workers' or none ever runs
-        wanted["CPU"] = s.num_workers * s.cpus_per_worker + 1
+        wanted["CPU"] = least * s.cpus_per_worker + 1
     for name, amount in wanted.items():
         if res.get(name, 0) < amount:
-            msg = (f"the run needs {amount:g} {name} ({s.num_workers} workers"
+            msg = (f"the run needs {amount:g} {name} ({least} workers"
                    f"{', and data.reader=ray its read tasks' if name == 'CPU' else ''}) but the cluster has "
                    f"{res.get(name, 0):g}")
             if local:
@@ -180,10 +185,10 @@ def check_cluster(cfg: Config, local: bool) -> None:
               f"step on {s.cpus_per_worker:g} CPU thread(s) per worker (scaling.cpus_per_worker); give each GPU "
               "worker more, e.g. scaling.cpus_per_worker=8, or the step will wait on the CPU", flush=True)
     total = res.get("CPU", 0)
-    workers = cfg.scaling.num_workers * cfg.scaling.cpus_per_worker
+    workers = least * cfg.scaling.cpus_per_worker
     if total < workers:
         # Not an error: on an autoscaling cluster the nodes come, and Ray Train waits for them.
-        print(f"[raytrain] warning: the cluster has {total:g} CPUs now; the {cfg.scaling.num_workers} workers need "
+        print(f"[raytrain] warning: the cluster has {total:g} CPUs now; the {least} workers need "
               f"{workers:g} (scaling.num_workers x scaling.cpus_per_worker). Waiting for the autoscaler; without "
               "one, lower those settings or add nodes.", flush=True)
     elif total < workers + cfg.scaling.data_cpus:
@@ -200,6 +205,22 @@ def _root_user_error(err: BaseException) -> Optional[str]:
             return text.split(marker, 1)[1].strip().splitlines()[0]
     cause = err.__cause__ or err.__context__
     return _root_user_error(cause) if cause else None
+
+
+def _capacity_timeout(err: BaseException):
+    """The CapacityTimeout that ended the controller, if that is what `err` is."""
+    from raytrain.errors import CapacityTimeout
+
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        cause = getattr(err, "controller_failure", None)
+        if isinstance(cause, CapacityTimeout):
+            return cause
+        if isinstance(err, CapacityTimeout):
+            return err
+        err = cause or err.__cause__ or err.__context__
+    return None
 
 
 def failure_line(err: BaseException, run_uri: str) -> Optional[str]:
@@ -229,6 +250,7 @@ def train(cfg: Config, log: Callable[[str], None] = print, inject: Optional[dict
     from ray.train import FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    from raytrain.elastic.policy import trainer_class
     from raytrain.model import apply_init_from
     from raytrain.restart_phases import make_clock
     from raytrain.worker.loop import train_loop_per_worker
@@ -248,8 +270,7 @@ def train(cfg: Config, log: Callable[[str], None] = print, inject: Optional[dict
         cfg = micro_batch.resolve(cfg, vocab=cfg.model.vocab_size or train_split.vocab_size,
                                   memory_mb=micro_batch.worker_memory_mb(cfg), log=log)
     cfg = check_resume_compatible(cfg)
-    log(f"[raytrain] run {cfg.run.name} -> {cfg.run_uri} | global batch {cfg.global_batch} sequences = "
-        f"{cfg.batch.micro_batch_size} micro x {cfg.accumulation} accumulation x {cfg.scaling.num_workers} workers")
+    say_batch(cfg, cfg.model.vocab_size or train_split.vocab_size, log)
     o = cfg.optim
     mixture, val_sources = _mixture(cfg, log)
     log(f"[raytrain] data {train_split.num_samples:,} x {train_split.seq_len} tokens ({train_split.format}, "
@@ -261,30 +282,30 @@ def train(cfg: Config, log: Callable[[str], None] = print, inject: Optional[dict
     storage.write_text(RunDir(cfg.run_uri).uri(CONFIG), cfg.to_yaml())
     audit_submit(cfg, submitted)
     s = cfg.scaling
-    resources = {"CPU": s.cpus_per_worker, **s.resources_per_worker}
-    if s.use_gpu:
-        resources["GPU"] = s.gpus_per_worker
+    resources = {"CPU": s.cpus_per_worker, **s.resources_per_worker, **({"GPU": s.gpus_per_worker} if s.use_gpu else {})}
     storage_path, fs = storage.ray_storage(cfg.checkpoint.storage)
     # Ray Train's controller polls the workers every 2 s by default, and a dead worker, like the end of every
     # run, waits for the next poll; 0.5 s costs it a few small actor calls a second (docs/FAULT_TOLERANCE.md).
     # Ray passes the driver's value on to the controller; one set by the user wins.
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", str(HEALTH_CHECK_INTERVAL_S))
     clock = make_clock(cfg.run_uri)  # a restart's phases, for attempts.jsonl (None where Ray's internals differ)
-    trainer = TorchTrainer(
+    # Two budgets: a spot run expects many preemptions but few real failures.
+    failure_config = FailureConfig(max_failures=cfg.run.max_failures, max_preemption_failures=cfg.run.max_preemptions)
+    trainer_cls, num_workers = trainer_class(cfg, TorchTrainer, failure_config)
+    trainer = trainer_cls(
         train_loop_per_worker,
         train_loop_config={"config": cfg.to_dict(), "train_split": train_split.to_dict(),
                            "val_split": val_split.to_dict() if val_split else None,
                            "mixture": mixture, "val_sources": val_sources,
                            "inject": inject if inject is not None else faults.from_env()},
         torch_config=TorchConfig(backend="nccl" if s.use_gpu else "gloo", timeout_s=s.collective_timeout_s),
-        scaling_config=ScalingConfig(num_workers=s.num_workers, use_gpu=s.use_gpu, resources_per_worker=resources),
+        scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=s.use_gpu, resources_per_worker=resources,
+                                     elastic_resize_monitor_interval_s=s.resize_monitor_s),
         run_config=RunConfig(
             name=cfg.run.name,
             storage_path=storage_path,
             storage_filesystem=fs,
-            # Two budgets: a spot run expects many preemptions but few real failures.
-            failure_config=FailureConfig(max_failures=cfg.run.max_failures,
-                                         max_preemption_failures=cfg.run.max_preemptions),
+            failure_config=failure_config,
             callbacks=[*(callbacks or ()), *([clock] if clock is not None else [])],
             logging_config=LoggingConfig(log_level="WARNING"),  # worker-group start/stop lines: Ray's logs only
             worker_runtime_env={"env_vars": worker_env()},
@@ -295,6 +316,21 @@ def train(cfg: Config, log: Callable[[str], None] = print, inject: Optional[dict
     if summary is None:
         raise RuntimeError(f"training finished but wrote no summary.json under {cfg.run_uri}")
     return summary
+
+
+def say_batch(cfg: Config, vocab: int, log: Callable[[str], None]) -> None:
+    """The run's global batch, and how each usable size makes it up (an elastic run: a line per size)."""
+    if not cfg.scaling.elastic:
+        log(f"[raytrain] run {cfg.run.name} -> {cfg.run_uri} | global batch {cfg.global_batch} sequences = "
+            f"{cfg.batch.micro_batch_size} micro x {cfg.accumulation} accumulation x {cfg.scaling.num_workers} workers")
+        return
+    from raytrain.elastic.size_table import lines
+    from raytrain.sweep.memory_estimate import param_count
+
+    log(f"[raytrain] run {cfg.run.name} -> {cfg.run_uri} | global batch {cfg.global_batch} sequences at every size "
+        f"in scaling.num_workers={cfg.scaling.num_workers}")
+    for line in lines(cfg, param_count(cfg, vocab)):
+        log(line)
 
 
 def audit_submit(cfg: Config, submitted: Optional[dict]) -> dict:
@@ -335,6 +371,8 @@ def _fit(trainer, cfg: Config) -> None:
     from raytrain.cost import NodeRecorder
     from raytrain.restart_phases import forget as forget_restart_phases
 
+    from raytrain.elastic.events import Relay
+
     # Node time by market and lost nodes, for `raytrain cost` (raytrain/cost.py).
     recorder = NodeRecorder(cfg.run_uri) if cfg.cost.record_nodes else contextlib.nullcontext()
     comm_file = RunDir(cfg.run_uri).uri(COMM_FAILURE)
@@ -342,9 +380,12 @@ def _fit(trainer, cfg: Config) -> None:
     # Host-memory snapshots live only while the run does: a killed driver's are removed here, the rest in finally.
     release_memory(cfg.run_uri, cfg.checkpoint.memory_dir)
     try:
-        with recorder:
+        with recorder, Relay(cfg.run_uri, lambda line: print(line, flush=True)):  # the controller's size events, said and kept in elastic.jsonl
             trainer.fit()
     except Exception as e:  # noqa: BLE001 - Ray wraps worker errors; surface ours as one line
+        waited = _capacity_timeout(e)
+        if waited is not None:
+            raise waited from None
         msg = failure_line(e, cfg.run_uri)
         # Ours in full (Ray truncates a worker's error text); or, on NCCL, the watchdog killed the worker
         # before Python could raise, and the diagnosis filed just before is all there is.

@@ -20,6 +20,24 @@ def run(args) -> int:
     cfg = load_config(args.config, args.overrides)
     print(cfg.to_yaml(), end="")
     acc = "chosen at train start" if cfg.batch.micro_batch_size == "auto" else cfg.accumulation
+    if cfg.scaling.elastic:
+        acc = "per size, below"
     print(f"# derived: gradient_accumulation_steps={acc} global_batch_size={cfg.global_batch} "
           f"run_uri={cfg.run_uri}")
+    if cfg.scaling.elastic:
+        from raytrain.elastic.size_table import lines
+
+        vocab = cfg.model.vocab_size
+        print("\n".join("# " + line.removeprefix("[raytrain] ") for line in lines(cfg, _params(cfg, vocab))))
+        if vocab is None:
+            print("# (snapshot bytes: set model.vocab_size, or see the start-up lines of `raytrain train`)")
     return 0
+
+
+def _params(cfg, vocab):
+    """The model's parameter count where the vocabulary is known without reading data."""
+    if vocab is None:
+        return None
+    from raytrain.sweep.memory_estimate import param_count
+
+    return param_count(cfg, vocab)

@@ -86,7 +86,7 @@ class RunData:
 
     def world_at(self, step: int) -> int:
         """Data-parallel ranks that trained `step` (the newest attempt that started before it)."""
-        world = self.cfg.scaling.num_workers
+        world = self.cfg.scaling.max_workers  # attempts.jsonl says the size each attempt trained at
         for a in self.rd.read_jsonl(ATTEMPTS):
             if int(a.get("resumed_step", 0)) < step and a.get("world_size"):
                 world = int(a["world_size"])

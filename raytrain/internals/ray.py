@@ -8,7 +8,7 @@ from __future__ import annotations
 import hmac
 from typing import Optional
 
-from raytrain.internals.registry import fell_back, gate, register
+from raytrain.internals.registry import fell_back, gate, guarded, register
 
 V = "2.60.0"
 
@@ -166,3 +166,115 @@ def valid_request_token(authorization: str, local_token: Optional[str]) -> bool:
         except Exception as e:  # noqa: BLE001
                 fell_back(AUTH_CHECK, e)
     return bool(local_token) and hmac.compare_digest(authorization.encode(), f"Bearer {local_token}".encode())
+
+
+ELASTIC_POLICY = register(
+    "ray.train.elastic_policy", package="ray", written_for=V,
+    gain="raytrain's scaling and failure policies in the Train controller: a group starts only at sizes that keep the "
+         "global batch, sees a lost node at once (its raylet probed) instead of waiting a minute for a placement on a "
+         "node Ray has not yet marked dead, waits below MIN without spending a budget, and a worker lost with its node "
+         "is charged to run.max_preemptions, not run.max_failures",
+    fallback="Ray's own policies: an elastic run trains at its MAX size only, waiting for it (the fixed size); a "
+             "worker lost with its node is charged to run.max_failures")
+DRAINING_NODES = register(
+    "ray.draining_nodes", package="ray", written_for=V,
+    gain="an elastic run never starts a worker group on a node Ray is draining (a noticed reclaim)",
+    fallback="draining nodes count as capacity until they leave (a group started on one restarts once more)")
+
+
+def draining_nodes() -> set:
+    """Ids of the nodes Ray is draining (the same call Ray Train's own preemption watcher makes)."""
+    def reach():
+        import ray._private.state
+
+        return set(ray._private.state.state.get_draining_nodes() or {})
+
+    return guarded(DRAINING_NODES, reach, set)
+
+
+_SIZINGS: dict = {}  # run token -> its Sizing, in the Train controller's process
+
+
+def controller_sizing(token: str, make):
+    """The one Sizing (raytrain/elastic/sizing.py) of run `token` in this (controller) process."""
+    if token not in _SIZINGS:
+        _SIZINGS[token] = make()
+    return _SIZINGS[token]
+
+
+def elastic_trainer(trainer_cls: type, make_sizing, failure_config, token: str) -> type:
+    """`trainer_cls` (TorchTrainer) whose controller takes raytrain's scaling and failure policies, deciding through
+    the Sizing that `make_sizing()` builds inside the controller (raytrain/elastic/sizing.py), one per `token`."""
+    import time
+
+    from ray.train.v2._internal.execution.failure_handling import FailureDecision
+    from ray.train.v2._internal.execution.failure_handling.default import DefaultFailurePolicy, _is_preemption_failure
+    from ray.train.v2._internal.execution.scaling_policy import NoopDecision, ResizeDecision, ScalingPolicy
+    from ray.train.v2.api.exceptions import ControllerError, WorkerGroupError
+
+    from raytrain.errors import CapacityTimeout
+
+    def sizing():
+        # Both policies are pickled into the controller apart (each with its own copy of what it refers to): they
+        # meet in a module of the controller's process.
+        return controller_sizing(token, make_sizing)
+
+    class RaytrainScaling(ScalingPolicy):
+        def _get_num_workers_for_resource_request(self) -> int:
+            return self.scaling_config.max_workers  # the autoscaler is asked for MAX
+
+        def _resize(self, n: int):
+            return ResizeDecision(num_workers=n, resources_per_worker=self.scaling_config._resources_per_worker_not_none)
+
+        def make_decision_for_non_running_worker_group(self):
+            self._maybe_send_resource_request()
+            try:
+                n = sizing().start_size()
+            except CapacityTimeout:
+                raise
+            except Exception as e:  # noqa: BLE001 - a failing decision must not end the run: the fixed size
+                fell_back(ELASTIC_POLICY, e)
+                n = self.scaling_config.max_workers
+            return NoopDecision() if n is None else self._resize(n)
+
+        def make_decision_for_running_worker_group(self, worker_group_state, worker_group_status):
+            self._maybe_send_resource_request()
+            try:
+                s = sizing()
+                nodes = {w.metadata.node_id for w in worker_group_state.workers}
+                if nodes != s.group_nodes:
+                    s.started(nodes, worker_group_state.num_workers)
+                n = s.grow_size(worker_group_state.num_workers)
+            except Exception as e:  # noqa: BLE001 - a failing decision must not end the run: stay at this size
+                fell_back(ELASTIC_POLICY, e)
+                n = None
+            return NoopDecision() if n is None else self._resize(n)
+
+    class RaytrainFailures(DefaultFailurePolicy):
+        def make_decision(self, training_failed_error):
+            err = training_failed_error
+            if isinstance(err, ControllerError) and isinstance(err.controller_failure, CapacityTimeout):
+                return FailureDecision.RAISE
+            if isinstance(err, WorkerGroupError) and not _is_preemption_failure(err):
+                s = sizing()
+                try:
+                    gone = s.lost(s.group_nodes)
+                except Exception as e:  # noqa: BLE001 - unknown: charged as Ray would
+                    fell_back(ELASTIC_POLICY, e)
+                    gone = set()
+                if gone:  # the worker went with its node: a reclaim without notice, not a failure of the run
+                    s.publish({"event": "lost_node", "time": round(time.time(), 3), "nodes": sorted(gone)})
+                    self._preemption_failures += 1
+                    limit = self.failure_config.max_preemption_failures
+                    return FailureDecision.RETRY if limit == -1 or self._preemption_failures <= limit \
+                        else FailureDecision.RAISE
+            return super().make_decision(err)
+
+    class ElasticTrainer(trainer_cls):
+        def _initialize_and_run_controller(self, **controller_init_kwargs):
+            controller_init_kwargs["scaling_policy"] = RaytrainScaling(self.scaling_config)
+            controller_init_kwargs["failure_policy"] = RaytrainFailures(failure_config)
+            return super()._initialize_and_run_controller(**controller_init_kwargs)
+
+    ElasticTrainer.__name__ = ElasticTrainer.__qualname__ = trainer_cls.__name__
+    return ElasticTrainer

@@ -28,7 +28,7 @@ def param_count(cfg: Config, vocab_size: int) -> int:
 def estimate_mb(cfg: Config, vocab_size: int, n_params: Optional[int] = None) -> dict:
     """{"total_mb", "model_states_mb", "activations_mb"} per worker for one micro-batch."""
     n = n_params if n_params is not None else param_count(cfg, vocab_size)
-    m, s, w = cfg.model, cfg.model.seq_len, cfg.scaling.num_workers
+    m, s, w = cfg.model, cfg.model.seq_len, cfg.scaling.min_workers  # an elastic run's states are largest when smallest
     half = cfg.precision.dtype in ("bf16", "fp16") or (cfg.precision.dtype == "auto" and cfg.scaling.use_gpu)
     weights, grads, optim = (2, 2, 12) if half else (4, 4, 8)
     stage = cfg.deepspeed.zero_stage

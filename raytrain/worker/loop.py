@@ -67,11 +67,11 @@ class WorkerRun:
 
         self.t_start = time.time()
         host_heap.start()  # start-up's full-size blocks go back to the OS when freed, until the first step is done
-        cfg = self.cfg = Config.model_validate(loop_config["config"])
-        train_split = Split.from_dict(loop_config["train_split"])
-        val_split = Split.from_dict(loop_config["val_split"]) if loop_config.get("val_split") else None
         ctx = ray.train.get_context()
         rank, world = self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
+        cfg = self.cfg = Config.model_validate(loop_config["config"]).at_size(world)  # an elastic run: this size's batch
+        train_split = Split.from_dict(loop_config["train_split"])
+        val_split = Split.from_dict(loop_config["val_split"]) if loop_config.get("val_split") else None
         self.cuda, self.device = _device(cfg, ray.train.torch)
         # Resume point first: host memory (this node's snapshot of the newest step every rank holds), else the newest
         # committed checkpoint in the run directory (our manifests); another world size's goes through universal form.
