@@ -1,0 +1,144 @@
+"""Elastic runs (scaling.num_workers: [MIN, MAX]): the usable sizes, bad ranges refused in one line, the controller's
+size decisions on a cluster that changes under them, waiting below MIN and its limit (exit 3), and a real run that
+loses a node, shrinks, grows back and trains every step once with the losses of an uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from raytrain.config import load_config
+from raytrain.elastic.sizing import Node, Sizing
+from raytrain.errors import CapacityTimeout
+from raytrain.trainer import train
+from tests.helpers import tiny_cfg
+
+TRAINER = {"CPU": 1.0, "trainer": 1.0}
+
+
+# --- sizes --------------------------------------------------------------------------------------------------------
+def test_usable_sizes_keep_the_global_batch_with_the_largest_micro_batch_that_fits():
+    cfg = load_config("tiny", ["scaling.num_workers=[1,5]", "batch.global_batch_size=24", "batch.micro_batch_size=4"])
+    # 5 does not divide 24: not usable. Each size: the largest micro-batch <= 4 that divides its rank's share.
+    assert cfg.sizes() == {1: (4, 6), 2: (4, 3), 3: (4, 2), 4: (3, 2)}
+    for n, (mb, acc) in cfg.sizes().items():
+        at = cfg.at_size(n)
+        assert (at.scaling.num_workers, at.batch.micro_batch_size, at.accumulation, at.global_batch) == (n, mb, acc, 24)
+    tp = load_config("tiny", ["scaling.num_workers=[1,6]", "batch.global_batch_size=12", "model.family=llama",
+                              "deepspeed.tensor_parallel_size=2", "batch.micro_batch_size=8"])
+    assert sorted(tp.sizes()) == [2, 4, 6]  # whole tensor-parallel groups only
+
+
+@pytest.mark.parametrize("overrides,says", [
+    (["scaling.num_workers=[4,2]", "batch.global_batch_size=8"], "MIN is larger than MAX"),
+    (["scaling.num_workers=[0,2]", "batch.global_batch_size=8"], "MIN must be >= 1"),
+    (["scaling.num_workers=[2,4]"], "needs batch.global_batch_size"),
+    (["scaling.num_workers=[2,4]", "batch.global_batch_size=7"], "no size in scaling.num_workers=[2, 4] keeps"),
+    (["scaling.num_workers=[3,3]", "batch.global_batch_size=12", "model.family=llama",
+      "deepspeed.tensor_parallel_size=2"], "must divide scaling.num_workers=3"),
+    (["scaling.num_workers=[3,3]", "batch.global_batch_size=12", "model.family=llama",
+      "deepspeed.tensor_parallel_size=4", "model.n_head=4", "model.intermediate_size=256"], "must divide"),
+    (["scaling.num_workers=[5,7]", "batch.global_batch_size=12", "model.family=llama",
+      "deepspeed.tensor_parallel_size=4", "model.n_head=4", "model.intermediate_size=256"], "divides no size"),
+])
+def test_a_bad_range_is_one_line_and_exit_2_before_anything_starts(tmp_path, overrides, says):
+    p = subprocess.run([sys.executable, "-m", "raytrain", "train", "--config", "tiny", f"checkpoint.storage={tmp_path}",
+                        *overrides], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0], lines
+    assert not any(tmp_path.iterdir()), "nothing may be written before the config is accepted"
+
+
+def test_raytrain_config_prints_each_size(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "raytrain", "config", "scaling.num_workers=[2,4]",
+                        "batch.global_batch_size=24", "model.vocab_size=512"], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr
+    rows = [line for line in p.stdout.splitlines() if line.startswith("#    ")]
+    assert [r.split("|")[0].strip("# ") for r in rows] == ["2", "3", "4"]
+    assert "6 x 2" in rows[0] and "8 x 1" in rows[1] and "MiB" in rows[2]
+
+
+# --- decisions ----------------------------------------------------------------------------------------------------
+class Cluster:
+    """A cluster the decisions look at: nodes come, go, drain, stop answering; a clock that moves by hand."""
+
+    def __init__(self, n: int):
+        self.nodes = {f"n{i}": Node(f"n{i}", dict(TRAINER), ("127.0.0.1", 1000 + i)) for i in range(n)}
+        self.dead: set = set()  # alive in Ray's eyes, raylet gone (a reclaim Ray has not noticed yet)
+        self.now = 1000.0
+        self.events: list = []
+
+    def sizing(self, sizes, **kw) -> Sizing:
+        kw = {"monitor_s": 10.0, "grow_stable_s": 10.0, "max_wait_s": None, **kw}
+        return Sizing(sizes=sizes, per_worker=TRAINER, nodes=lambda: list(self.nodes.values()),
+                      reachable=lambda addr: not any(n.address == addr for n in self.nodes.values() if n.id in self.dead),
+                      publish=self.events.append, clock=lambda: self.now, pause=self.tick, **kw)
+
+    def tick(self, s: float) -> None:
+        self.now += s
+
+
+def test_start_at_the_largest_usable_size_the_live_nodes_hold():
+    c = Cluster(4)
+    s = c.sizing([1, 2, 4])  # 3 does not keep this run's global batch
+    assert s.start_size() == 4
+    s.started({"n0", "n1", "n2", "n3"}, 4)
+    c.dead.add("n3")  # lost without notice: Ray still lists it, its raylet is gone
+    assert s.lost(s.group_nodes) == {"n3"}
+    assert s.start_size() == 2  # 3 nodes live, 3 is not usable
+    c.nodes["n2"].draining = True
+    assert s.start_size() == 2
+    del c.nodes["n1"]
+    assert s.start_size() == 1
+
+
+def test_below_min_the_run_waits_and_max_wait_for_capacity_ends_it():
+    c = Cluster(1)
+    s = c.sizing([2, 4], max_wait_s=30.0)
+    t0 = c.now
+    for _ in range(10):
+        assert s.start_size() is None  # each look pauses (the controller would ask again at once)
+    assert c.events[0]["event"] == "waiting" and c.events[0]["room"] == 1 and c.now > t0
+    c.nodes["n9"] = Node("n9", dict(TRAINER), ("127.0.0.1", 1999))
+    assert s.start_size() == 2 and c.events[-1]["event"] == "capacity_back"
+    del c.nodes["n9"]
+    with pytest.raises(CapacityTimeout, match="max_wait_for_capacity=30"):
+        for _ in range(100):
+            s.start_size()
+
+
+def test_a_node_counts_toward_growing_only_once_it_stayed_grow_stable_s():
+    c = Cluster(2)
+    s = c.sizing([1, 2, 3, 4], monitor_s=5.0, grow_stable_s=20.0)
+    assert s.start_size() == 2
+    c.now += 5
+    c.nodes["n8"] = Node("n8", dict(TRAINER), ("127.0.0.1", 1998))
+    assert s.grow_size(2) is None  # first seen now
+    c.now += 10
+    assert s.grow_size(2) is None  # 10 s old
+    del c.nodes["n8"]  # came and went: no restart at all
+    c.now += 10
+    assert s.grow_size(2) is None
+    c.nodes["n9"] = Node("n9", dict(TRAINER), ("127.0.0.1", 1999))
+    assert s.grow_size(2) is None  # within monitor_s of the last look: not even looked
+    c.now += 5
+    assert s.grow_size(2) is None  # first seen now
+    c.now += 20
+    assert s.grow_size(2) == 3 and c.events[-1] == {"event": "grow", "time": c.now, "from": 2, "to": 3}
+
+
+# --- on a real cluster --------------------------------------------------------------------------------------------
+def test_waiting_below_min_ends_after_max_wait_for_capacity_with_exit_status_3(ray_cluster, tiny_data, tmp_path):
+    """The session cluster has 4 CPUs: a run whose MIN needs 5 workers of 1 CPU waits, then ends with its line."""
+    cfg = tiny_cfg(tiny_data, tmp_path, "waits", "scaling.num_workers=[5,6]", "batch.global_batch_size=60",
+                   "run.max_wait_for_capacity=4")
+    with pytest.raises(CapacityTimeout) as err:
+        train(cfg)
+    assert err.value.exit_status == 3 and "below scaling.num_workers' MIN 5" in str(err.value)
+    events = [json.loads(line) for line in (tmp_path / "waits" / "elastic.jsonl").read_text().splitlines()]
+    assert events[0]["event"] == "waiting" and events[0]["min"] == 5
