@@ -6,6 +6,8 @@
     {"nan_at_step": N, "rank": r}                                                a NaN loss on that step's batch
     {"snapshot_delay_s": x}             every memory snapshot stalls x seconds longer (a slow copy)
     {"memory_apply_fails": r}           rank r cannot apply its host-memory snapshot (checked before the restore)
+    {"memory_fetch_fails": r}           rank r's host-memory snapshot must come from another node's actor and none
+                                        sends it (as when its node was lost and the holders' nodes go too)
     {"snapshot_ab_window": W}           no fault: memory snapshots skipped in every other window of W steps
                                         (steps W+1..2W, 3W+1..4W, ...), the benchmark's A/B in one run
     {"count_host_reads": path}          no fault: rank 0 appends each step's host reads of tensor values by
@@ -58,6 +60,7 @@ class Faults:
         self.nan_position = (nan_step - 1) * global_batch if nan_step and rank == inject.get("rank", 0) else None
         self.ab_window = int(inject.get("snapshot_ab_window") or 0)
         self.apply_fails = inject.get("memory_apply_fails") == rank
+        self.fetch_fails = inject.get("memory_fetch_fails") == rank
         self.snapshot_delay_s = float(inject.get("snapshot_delay_s") or 0.0)
         self.host_reads_path = inject.get("count_host_reads")
 

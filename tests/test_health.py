@@ -174,32 +174,81 @@ def test_injected_nan_rolls_back_and_skips_the_window(ray_cluster, tiny_data, tm
         assert f"`{row['spans'][0]['source']}@{row['spans'][0]['record']}`" in text
 
 
+_NAN_LATE = ("run.max_steps=10", "checkpoint.every_n_steps=4", "run.log_every=5", "metrics.prometheus=false")
+
+
+def _records(run_uri: str) -> list[dict]:
+    from raytrain import storage
+
+    return [json.loads(x) for x in storage.read_text(storage.join(run_uri, "metrics.jsonl")).splitlines()]
+
+
+@pytest.fixture(scope="module")
+def nan_late(ray_cluster, tiny_data, tmp_path_factory):
+    """An uninterrupted run whose step 7 has a NaN loss read a step late (log_every=5): (config, summary)."""
+    from raytrain.trainer import train
+    from tests.helpers import tiny_cfg
+
+    runs = tmp_path_factory.mktemp("runs")
+    cfg = tiny_cfg(tiny_data, runs, "nanlate", *_NAN_LATE)
+    return cfg, train(cfg, log=lambda *_: None, inject={"nan_at_step": 7, "rank": 1})
+
+
 @pytest.mark.slow
-def test_a_nan_read_a_step_late_rolls_back_the_same_window(ray_cluster, tiny_data, tmp_path):
+def test_a_nan_read_a_step_late_rolls_back_the_same_window(nan_late):
     """log_every=5: step 7 neither logs nor checkpoints, so its loss is read at step 8 (no host synchronisation
     on step 7, worker/verdict.py). The rollback names step 7 and goes back to the same checkpoint; step 8, trained
     on top, is discarded with it, and its batch, read already, is skipped too (one batch more than when read at
     once)."""
-    from raytrain import storage
-    from raytrain.trainer import train
-    from tests.helpers import tiny_cfg
-
-    cfg = tiny_cfg(tiny_data, tmp_path, "nanlate", "run.max_steps=10", "checkpoint.every_n_steps=4",
-                   "run.log_every=5", "metrics.prometheus=false")
+    cfg, summary = nan_late
     gb = cfg.global_batch
-    summary = train(cfg, log=lambda *_: None, inject={"nan_at_step": 7, "rank": 1})
-    recs = [json.loads(x) for x in storage.read_text(storage.join(cfg.run_uri, "metrics.jsonl")).splitlines()]
+    recs = _records(cfg.run_uri)
     events = [{k: v for k, v in r.items() if k != "time"} for r in recs if r.get("event") == "rollback"]
     assert events == [{"step": 4, "event": "rollback", "bad_step": 7, "resumed_from": 4, "rule": "loss_not_finite",
                        "bad_batch": [6 * gb, 7 * gb], "skipped": [4 * gb, 8 * gb]}]
     losses = {r["step"]: r["loss"] for r in recs if "loss" in r}
     assert sorted(losses) == [5, 10] and all(math.isfinite(v) for v in losses.values()), losses
     assert summary["rollbacks"] == 1
-    state = json.loads((tmp_path / "nanlate" / "checkpoint_00000010" / "raytrain_state.json").read_text())
+    state = json.loads(open(f"{cfg.run_uri}/checkpoint_00000010/raytrain_state.json").read())
     assert state["step"] == 10 and state["samples_seen"] == 14 * gb and state["tokens_seen"] == 10 * gb * 32
     # Non-log steps after the rollback are placed by its record: step 8 trained the batch at 11 global batches.
     traced = assert_traced(cfg.run_uri, [5, 8, 10])
     assert [traced[s]["position"] for s in (5, 8, 10)] == [8 * gb, 11 * gb, 13 * gb]
+
+
+@pytest.mark.slow
+def test_a_snapshot_of_a_step_whose_loss_is_unread_is_not_restored(nan_late, tiny_data, tmp_path):
+    """The run above, with every rank killed at step 8: after step 8's optimizer step, when step 7's snapshot (of
+    the weights its NaN loss made) has landed and before step 7's loss is read (at step 8's all-reduce). Both ranks
+    die, so no rank has read the verdict. The restart must not resume from step 7's snapshot: it resumes from step
+    6's (judged at step 7), trains step 7 on the NaN batch again, and rolls back as the uninterrupted run did, to
+    the same losses."""
+    from raytrain.rundir import RunDir
+    from raytrain.trainer import train
+    from tests.helpers import tiny_cfg
+
+    want_cfg, _ = nan_late
+    cfg = tiny_cfg(tiny_data, tmp_path, "nankill", *_NAN_LATE, "run.max_failures=1")
+    kill = [{"step": 8, "rank": r, "signal": "SIGKILL"} for r in (0, 1)]
+    summary = train(cfg, log=lambda *_: None, inject={"nan_at_step": 7, "rank": 1, "events": kill,
+                                                      "marker": str(tmp_path / "killed")})
+    assert (tmp_path / "killed.0").exists() and (tmp_path / "killed.1").exists() and summary["restarts"] == 1
+    restores = RunDir(cfg.run_uri).read_jsonl("restores.jsonl")
+    assert [(r["source"], r["step"]) for r in restores] == [("memory:local", 6), ("storage", 4)], restores
+
+    def rollbacks(run_uri: str) -> list[dict]:
+        return [{k: v for k, v in r.items() if k != "time"} for r in _records(run_uri) if r.get("event") == "rollback"]
+
+    def losses(run_uri: str) -> dict[int, float]:
+        return {r["step"]: r["loss"] for r in _records(run_uri) if "loss" in r}
+
+    assert rollbacks(cfg.run_uri) == rollbacks(want_cfg.run_uri) and summary["rollbacks"] == 1
+    want = losses(want_cfg.run_uri)
+    got = losses(cfg.run_uri)
+    assert sorted(got) == sorted(want) == [5, 10]
+    assert all(got[s] == pytest.approx(want[s], abs=1e-5) for s in want), (got, want)
+    final = [json.loads(open(f"{c.run_uri}/checkpoint_00000010/raytrain_state.json").read()) for c in (cfg, want_cfg)]
+    assert final[0]["samples_seen"] == final[1]["samples_seen"] == 14 * cfg.global_batch, final
 
 
 @pytest.mark.slow

@@ -115,8 +115,9 @@ def test_kill_during_copy_never_yields_a_torn_generation(tmp_path):
 
 
 def test_ranks_agree_on_the_newest_step_any_node_holds_for_every_rank_not_below_a_committed_checkpoint():
-    def node(actor, *held):  # held: (rank, step, samples, committed)
-        return {"actor": actor, "held": [[r, s, p, c, f"/shm/{actor}-r{r}-s{s}"] for r, s, p, c in held]}
+    def node(actor, *held):  # held: (rank, step, samples, committed[, judged])
+        return {"actor": actor, "held": [[r, s, p, c, f"/shm/{actor}-r{r}-s{s}", j] for r, s, p, c, j in
+                                         ((*h, True) if len(h) == 4 else h for h in held)]}
 
     def rec(rank, n):
         return {"rank": rank, **n}
@@ -137,12 +138,20 @@ def test_ranks_agree_on_the_newest_step_any_node_holds_for_every_rank_not_below_
     # Ranks on one node send the same holdings: counted once. A peer copy on another node serves a lost one.
     a = node("A", (0, 9, 72, 8), (1, 9, 72, None), (2, 8, 64, None))
     assert agree_memory([rec(0, a), rec(1, a), rec(2, node("C"))], 3) is None  # ranks 0, 1 at 9; rank 2 at 8
-    a["held"].append([2, 9, 72, None, "/shm/A-peer-r2"])
+    a["held"].append([2, 9, 72, None, "/shm/A-peer-r2", True])
     assert agree_memory([rec(0, a), rec(1, a), rec(2, node("C"))], 3) == (
         9, {0: [("A", "/shm/A-r0-s9")], 1: [("A", "/shm/A-r1-s9")], 2: [("A", "/shm/A-peer-r2")]})
     # Step 6 of two timelines (a rollback skipped a data window in between): not one state, never agreed on.
     a, b = node("A", (0, 5, 40, 4), (0, 6, 48, 4)), node("B", (1, 5, 40, None), (1, 6, 72, None))
     assert agree_memory([rec(0, a), rec(1, b)], 2)[0] == 5
+    # Step 7's loss not read by any rank (killed before its verdict): the judged step 6 below it; one rank's
+    # reading is enough (the loss is all-reduced).
+    a, b = node("A", (0, 6, 48, 4), (0, 7, 56, 4, False)), node("B", (1, 6, 48, None), (1, 7, 56, None, False))
+    assert agree_memory([rec(0, a), rec(1, b)], 2)[0] == 6
+    b = node("B", (1, 6, 48, None), (1, 7, 56, None, True))
+    assert agree_memory([rec(0, a), rec(1, b)], 2)[0] == 7
+    assert agree_memory([rec(0, node("A", (0, 7, 56, 4, False))), rec(1, node("B", (1, 7, 56, None, False)))],
+                        2) is None
 
 
 def test_peer_copy_outlives_its_node_and_release_removes_everything(ray_cluster, tmp_path):
@@ -171,8 +180,9 @@ def test_peer_copy_outlives_its_node_and_release_removes_everything(ray_cluster,
 
 def test_a_host_copy_runs_beside_the_next_step_and_is_committed_before_the_optimizer_step(tmp_path, monkeypatch):
     """CPU training: `snapshot` hands the copy to a thread of its own and returns; the generation reads as invalid
-    until the copy is done, `settle` (before the optimizer step) waits for it and only then offers it to a peer; a
-    rollback's `invalidate` waits for a copy in flight and leaves it unreadable."""
+    until the copy is done, `settle` (before the optimizer step) waits for it and commits it unjudged (the step's
+    loss is read a step late); `judged` marks it and only then offers it to a peer; a snapshot of a step already
+    judged is offered at once; a rollback's `invalidate` waits for a copy in flight and leaves it unreadable."""
     import threading
     from types import SimpleNamespace
 
@@ -213,13 +223,21 @@ def test_a_host_copy_runs_beside_the_next_step_and_is_committed_before_the_optim
     release.set()
     tier.settle()
     snap = _load(g0)
-    assert snap.step == 3 and replicated == [g0]
+    assert snap.step == 3 and replicated == [] and not snapshot.judged(g0, snap.header)
     assert all(torch.equal(snap.state["module"][k], v) for k, v in want.items())
+    tier.judged(3)
+    assert replicated == [g0] and snapshot.judged(g0, snapshot.read_header(g0))
 
     release.clear()
     started.clear()
+    tier.judged(4)  # step 4's loss read before its snapshot: taken as judged
     tier.snapshot(engine, TrainState(step=4, samples_seen=64))
     assert started.wait(10)
     threading.Timer(0.2, release.set).start()
     tier.invalidate()  # waits for the copy, then blanks both generations
     assert release.is_set() and snapshot.read_header(str(tmp_path / "g1")) is None and _load(g0) is None
+
+    tier.judged(5)
+    tier.snapshot(engine, TrainState(step=5, samples_seen=80))
+    tier.settle()
+    assert replicated == [g0, g0] and snapshot.judged(g0, _load(g0).header) and _load(g0).step == 5

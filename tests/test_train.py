@@ -385,6 +385,29 @@ def test_a_snapshot_one_rank_cannot_apply_sends_every_rank_to_storage(ray_cluste
     _assert_losses_of_all_12_steps_equal(cfg.run_uri, want)
 
 
+def test_a_snapshot_one_rank_cannot_fetch_sends_every_rank_to_storage(ray_cluster, tiny_data, tmp_path, baseline):
+    """Rank 1's memory snapshot must come from another node and none sends it (injected): the failed fetch is rank
+    1's reason in the ranks' vote, not an exception while rank 0 goes on into the engine's collectives; every rank
+    restores storage's checkpoint 4 in the same attempt (one restart: no rank waited in a collective until the
+    group was torn down), restores.jsonl names the reason, and the losses are the uninterrupted run's."""
+    _, want = baseline
+    cfg = tiny_cfg(tiny_data, tmp_path, "unfetched", "run.max_steps=12", "checkpoint.every_n_steps=4",
+                   "checkpoint.upload=sync", "run.max_failures=1", "checkpoint.memory=true",
+                   "scaling.collective_timeout_s=90")
+    summary = train(cfg, log=lambda *_: None, inject={"crash_at_step": 6, "rank": 0, "marker": str(tmp_path / "died"),
+                                                      "memory_fetch_fails": 1})
+    assert (tmp_path / "died").exists() and summary["restarts"] == 1
+    refused, restored = RunDir(cfg.run_uri).read_jsonl("restores.jsonl")
+    assert refused["source"] == "memory" and not refused["ok"] and refused["step"] == 5, refused
+    assert refused["reason"] == ("rank 1: RuntimeError: no node sent this rank's memory snapshot of step 5 within "
+                                 "checkpoint.memory_fetch_timeout_s=60"), refused
+    assert restored["source"] == "storage" and restored["checkpoint"] == dir_name(4) and restored["ok"], restored
+    # From the kill to the first resumed step: well inside the collective timeout, which no rank reached.
+    (attempt,) = [a for a in RunDir(cfg.run_uri).read_jsonl(ATTEMPTS) if a.get("resumed_step")]
+    assert attempt["first_step_time"] - float((tmp_path / "died").read_text()) < 60, attempt
+    _assert_losses_of_all_12_steps_equal(cfg.run_uri, want)
+
+
 def test_auto_snapshot_interval_widens_for_a_slow_copy_and_a_kill_redoes_at_most_it_plus_one(
         ray_cluster, tiny_data, tmp_path, baseline):
     """`checkpoint.memory_every_n_steps=auto` with every snapshot stalling 50 ms more (a slow copy, injected) on

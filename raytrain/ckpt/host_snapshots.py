@@ -9,6 +9,12 @@ restores from them (raytrain/ckpt/restore.py agrees on the step) instead of from
 none (the node was lost, or the rank landed elsewhere) fetches its newest generation from another node's actor
 (its own files or the peer copy it received).
 
+A snapshot is taken right after the step, and on a steady step that is before the step's loss is read (a step late,
+without a host synchronisation: raytrain/worker/verdict.py). Such a generation is committed unjudged and marked
+judged (`judged`) when the loop has read its loss and found it healthy; only then is it offered to a peer, and a
+restore takes only judged generations (raytrain/ckpt/restore.py): a NaN step killed before its verdict resumes from
+the snapshot before it, never from its own weights.
+
 Bytes per rank: fp32 weights + Adam m and v of its partition = 12 x params / data-parallel ranks (16-bit weights are
 rebuilt from fp32 on restore, never copied), times two generations.
 """
@@ -21,6 +27,7 @@ from dataclasses import asdict
 from typing import Optional
 
 from raytrain.ckpt import snapshot
+from raytrain.ckpt.restore import refusal
 from raytrain.ckpt.snapshot_actor import NAMESPACE, actor_name, node_actor, run_actors
 from raytrain.ckpt.snapshot_interval import SnapshotInterval
 from raytrain.ckpt.state import TrainState, rng_state, set_rng_state
@@ -72,7 +79,7 @@ def check(engine, sd: dict, faults=None) -> Optional[str]:
         if engine_kind(engine) != sd.get("kind"):
             return f"the snapshot was taken of a {sd.get('kind')!r} engine, this one is {engine_kind(engine)!r}"
     except Exception as e:  # noqa: BLE001 - any failure here is a "no" vote, never a rank left out of a collective
-        return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+        return refusal(e)
     return None
 
 
@@ -112,13 +119,16 @@ class MemoryTier:
     `load` at start-up. Off (every method a no-op) when checkpoint.memory is false or the budget does not fit."""
 
     def __init__(self, ckpt_cfg, *, run_uri: str, rank: int, world: int, enabled: bool = True,
-                 drill_delay_s: float = 0.0):
+                 drills=None):
         self.c, self.run_uri, self.rank, self.world = ckpt_cfg, run_uri, rank, world
         self.enabled = bool(ckpt_cfg.memory) and enabled
         # How often (raytrain/ckpt/snapshot_interval.py); `auto` only where snapshots are taken at all.
         self.interval = SnapshotInterval(ckpt_cfg.memory_every_n_steps if self.enabled else 1,
                                          target=ckpt_cfg.memory_cost_target, ckpt_every=ckpt_cfg.every_n_steps)
-        self.drill_delay_s = drill_delay_s  # a drill (raytrain/faults.py): each snapshot stalls this much longer
+        # Drills (raytrain/faults.py Faults, or None): each snapshot stalls this much longer; this rank's snapshot
+        # must be fetched from another node, and no node sends it.
+        self.drill_delay_s = drills.snapshot_delay_s if drills is not None else 0.0
+        self.drill_fetch_fails = drills is not None and drills.fetch_fails
         self._took = False  # the previous call took a snapshot (its stall is measured at the next call)
         self.last_stall_s: Optional[float] = None
         self.bytes = 0  # one generation of this rank
@@ -127,7 +137,9 @@ class MemoryTier:
         self._sizes: dict[int, int] = {}  # bytes of each generation's file this rank has asked for
         self.actor = None  # this node's NodeMemory: looked up at start-up, created (not waited for) when missing
         self._said = False
-        self._pending = None  # (the copy in flight: PendingWrite or Future, its tensors, path, step)
+        self._pending = None  # (the copy in flight: PendingWrite or Future, its tensors, path, step, gen, judged)
+        self._judged: Optional[int] = None  # the newest step whose loss the loop read and found healthy
+        self._unjudged: Optional[tuple[int, str, int]] = None  # (gen, path, step): committed, its loss not read yet
         self._copier = None  # the thread that copies host tensors (CPU training), made on first use
         self._launch_s = 0.0
         self._stream = None  # the CUDA side stream of the copies
@@ -151,40 +163,46 @@ class MemoryTier:
     def load(self, step: int, holders: list[tuple[str, str]], mine: str) -> dict:
         """This rank's state at `step` from `holders` ([(actor, path)]): from this node's file when this node
         (`mine`) holds it, else fetched from another node's actor into this node's generation 0. Copied out and
-        checked again; a failure invalidates it and says what happens next."""
-        import ray
-
-        local = next((path for actor, path in holders if actor == mine), None)
+        checked again; a failure invalidates it and raises (the restore makes it this rank's reason in its vote)."""
+        # (the drill: as if this node had lost the rank's files, so that the fetch below is what fails)
+        local = None if self.drill_fetch_fails else next((path for actor, path in holders if actor == mine), None)
         if local is not None:
             own = re.search(r"-r\d+-g([01])$", local)  # one of this rank's generations (else a peer copy held here)
             gen = int(own.group(1)) if own else None
             path = local
         else:
-            data = None
-            for actor, _ in holders:
-                try:
-                    data = ray.get(ray.get_actor(actor, namespace=NAMESPACE).fetch.remote(self.rank, self.world, step),
-                                   timeout=self.c.memory_fetch_timeout_s)
-                except Exception:  # noqa: BLE001 - an actor on a node being lost: another holder may answer
-                    data = None
-                if data:
-                    break
+            data = self._fetch(step, holders)
             path = self._path(0, len(data)) if data else None
             if path is None:
-                raise RuntimeError(f"rank {self.rank}: no node sent its memory snapshot of step {step}; the next "
-                                   "restart restores from another snapshot or from storage")
+                raise RuntimeError(f"no node sent this rank's memory snapshot of step {step} within "
+                                   f"checkpoint.memory_fetch_timeout_s={self.c.memory_fetch_timeout_s:g}")
             snapshot.place(path, data)
             gen = 0
         h = snapshot.read_header(path)
         snap = snapshot.load(path, h) if h and h.get("step") == step and h.get("rank") == self.rank else None
         if snap is None:
             snapshot.invalidate(path)
-            raise RuntimeError(f"rank {self.rank}: the memory snapshot in {path} changed or broke while it was read; "
-                               "the next restart restores from the other generation or from storage")
+            raise RuntimeError(f"the memory snapshot in {path} changed or broke while it was read")
         if gen is not None:
             self._paths[gen] = path
         self._gen = 0 if gen is None else 1 - gen  # the next snapshot keeps this one
         return snap.state
+
+    def _fetch(self, step: int, holders: list[tuple[str, str]]) -> Optional[bytes]:
+        """This rank's generation at `step` from the first of `holders`' actors that sends it (None: none did)."""
+        import ray
+
+        for actor, _ in holders:
+            try:
+                if self.drill_fetch_fails:
+                    raise ConnectionError(f"injected: rank {self.rank}'s memory snapshot cannot be fetched")
+                data = ray.get(ray.get_actor(actor, namespace=NAMESPACE).fetch.remote(self.rank, self.world, step),
+                               timeout=self.c.memory_fetch_timeout_s)
+            except Exception:  # noqa: BLE001 - an actor on a node being lost: another holder may answer
+                data = None
+            if data:
+                return data
+        return None
 
     def snapshot(self, engine, state: TrainState, *, committed: Optional[int] = None, force: bool = False,
                  run_records: Optional[dict] = None) -> None:
@@ -206,21 +224,25 @@ class MemoryTier:
         if kind is None:
             return self._off(f"optimizer {type(engine.optimizer).__name__} is not one the memory tier captures")
         skeleton, tensors = snapshot.dump_skeleton(capture(engine, state, kind, committed, run_records or {}))
+        if self._unjudged is not None and self._unjudged[0] == self._gen:
+            self._unjudged = None  # overwritten before its loss was read (never restored, never marked)
         path = self._path(self._gen, snapshot.size_needed(skeleton, tensors))
         if path is None:
             return
         # samples: the data position tells timelines apart (a rollback skips a window; its old snapshots differ).
+        # judged: this step's loss was read before the snapshot (a step that logs, evaluates or checkpoints).
         meta = {"format": FORMAT, "step": state.step, "world": self.world, "rank": self.rank, "committed": committed,
-                "samples": state.samples_seen, "time": round(time.time(), 3)}
+                "samples": state.samples_seen, "time": round(time.time(), 3), "judged": state.step == self._judged}
         if any(t.is_cuda for t in tensors):
             self._pending = (snapshot.write_from_gpu(self._mapping(self._gen, path), meta, skeleton, tensors,
-                                                     self._side_stream(tensors)), tensors, path, state.step)
+                                                     self._side_stream(tensors)), tensors, path, state.step, self._gen,
+                             meta["judged"])
         else:
             # Host tensors: copied and checksummed by a thread of their own (both without the GIL) while the next
             # step computes, as a GPU's side stream does; `settle` waits for it before the optimizer step.
             copy = self._host_copier().submit(snapshot.write_mapped, self._mapping(self._gen, path), meta, skeleton,
                                               tensors)
-            self._pending = (_HostWrite(copy), tensors, path, state.step)
+            self._pending = (_HostWrite(copy), tensors, path, state.step, self._gen, meta["judged"])
         self._gen = 1 - self._gen
         self._took = True
         self.last_stall_s = self._launch_s = time.perf_counter() - t0
@@ -233,7 +255,7 @@ class MemoryTier:
         if self._pending is None:
             return
         t0 = time.perf_counter()
-        pending, _tensors, path, step = self._pending  # the tensors are held until the copy has read them
+        pending, _tensors, path, step, gen, judged = self._pending  # (tensors held until the copy has read them)
         try:
             pending.finish()
         except Exception as e:
@@ -242,7 +264,25 @@ class MemoryTier:
         finally:
             self._pending = None  # cleared once the copy is over: `invalidate` must not miss one still running
         self.last_stall_s = self._launch_s + time.perf_counter() - t0
-        self._replicate(path, step)
+        if judged:
+            self._replicate(path, step)
+        else:
+            self._unjudged = (gen, path, step)
+            if self._judged == step:  # its loss was read while the copy was in flight
+                self.judged(step)
+
+    def judged(self, step: int) -> None:
+        """The loop read `step`'s loss and the health rules passed it: a snapshot of that step is taken as judged
+        from now on, and one committed before (a loss read a step late) is marked judged in its file and only then
+        offered to a peer. Host-side bookkeeping only: the loss was read already, nothing waits for the device."""
+        if not self.enabled:
+            return
+        self._judged = step
+        if self._unjudged is not None and self._unjudged[2] == step:
+            gen, path, _ = self._unjudged
+            self._unjudged = None
+            snapshot.mark_judged(self._maps[gen], step)
+            self._replicate(path, step)
 
     def _replicate(self, path: str, step: int) -> None:
         k = self.c.memory_peer_every_n_steps
@@ -282,6 +322,7 @@ class MemoryTier:
         for path in self._paths.values():
             snapshot.invalidate(path)
         self._gen = 0
+        self._judged = self._unjudged = None  # the next timeline's losses are judged afresh
         if everywhere and self.rank == 0:
             import ray
 

@@ -25,19 +25,23 @@ class MemoryPoint:
     """The step every rank restores from host memory, and this rank's state for it (raytrain/ckpt/host_snapshots.py)."""
 
     step: int
-    state: dict
+    state: Optional[dict]  # None when this rank could not fetch or read it (`refused` says why)
     source: str = "memory:local"
     record: Optional[dict] = None  # rank 0's restores.jsonl line, written after the first step (off the critical path)
+    refused: Optional[str] = None  # this rank's reason in the vote on applying it (agree_apply), when it has one
 
 
 def find_memory_point(memory, rank: int) -> Optional[MemoryPoint]:
     """The newest step whose snapshot of every rank some node of the run holds (the rank's own node first, else a
-    peer copy or a node it ran on before), at one data position, and not older than the newest committed storage
-    checkpoint any snapshot knew of; None (storage path) otherwise.
+    peer copy or a node it ran on before), at one data position, whose loss was judged, and not older than the newest
+    committed storage checkpoint any snapshot knew of; None (storage path) otherwise.
 
     One all-gather of small records when the tier is on (every rank has the same config, so all or none call
     it): each rank sends what its node's actor holds, headers only. Each rank keeps two generations: ranks killed
     one step apart still share the older one. Only a rank whose node lacks its snapshot moves bytes (one fetch).
+    A fetch or read that fails is not raised here, where the other ranks would go on into the engine's collectives
+    without this one: it is this rank's reason (`refused`) in the vote the loop takes before applying (agree_apply),
+    which sends every rank to storage.
     """
     from raytrain.console import say
 
@@ -53,7 +57,7 @@ def find_memory_point(memory, rank: int) -> Optional[MemoryPoint]:
             for r in {r["actor"]: r for r in recs}.values():
                 for held_rank, step, *_ in r["held"]:
                     have.setdefault(held_rank, set()).add(step)
-            say("memory snapshots do not cover every rank at one step ("
+            say("memory snapshots do not cover every rank at one judged step ("
                 + "; ".join(f"rank {k}: {sorted(have.get(k, ())) or 'none'}" for k in range(world))
                 + "); restoring from storage")
         memory.invalidate()  # a new timeline starts from storage: older snapshots must never be taken for it
@@ -61,8 +65,11 @@ def find_memory_point(memory, rank: int) -> Optional[MemoryPoint]:
     step, holders = agreed
     actor_of = {r["rank"]: r["actor"] for r in recs}
     fetched = [k for k in range(world) if actor_of[k] not in {a for a, _ in holders[k]}]
-    point = MemoryPoint(step, memory.load(step, holders[rank], actor_of[rank]),
-                        "memory:peer" if fetched else "memory:local")
+    source = "memory:peer" if fetched else "memory:local"
+    try:
+        point = MemoryPoint(step, memory.load(step, holders[rank], actor_of[rank]), source)
+    except Exception as e:  # noqa: BLE001 - any failure is this rank's "no" in the vote, never a rank left behind
+        return MemoryPoint(step, None, source, refused=refusal(e))
     if rank == 0:
         say(f"restore step {step} from host memory ({point.source}) in {time.perf_counter() - t0:.2f} s")
         point.record = {
@@ -70,6 +77,11 @@ def find_memory_point(memory, rank: int) -> Optional[MemoryPoint]:
             "s": round(time.perf_counter() - t0, 3), "fetched_ranks": fetched,
             "ranks": [{"rank": r["rank"], "node": r["node"]} for r in recs]}
     return point
+
+
+def refusal(e: BaseException) -> str:
+    """A failure as a rank's reason in a vote: its type and first line."""
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
 
 
 def agree_apply(reason: Optional[str], rank: int, world: int) -> Optional[str]:
@@ -82,20 +94,24 @@ def agree_apply(reason: Optional[str], rank: int, world: int) -> Optional[str]:
 
 def agree_memory(recs: list[dict], world: int) -> Optional[tuple[int, dict[int, list[tuple[str, str]]]]]:
     """(step, {rank: [(actor, path), ...] holding it}) for the newest step every rank's snapshot is held at, by
-    some node, at one data position (`samples`: a rollback's timelines differ there), not below the newest
-    committed checkpoint rank 0's snapshots knew of; None when there is none. `recs`: one per rank, {"actor",
-    "held": [[rank, step, samples, committed, path], ...]} (ranks on one node send the same holdings)."""
+    some node, at one data position (`samples`: a rollback's timelines differ there), whose loss some rank judged
+    (the loss is all-reduced: one rank's reading of it is every rank's), not below the newest committed checkpoint
+    rank 0's snapshots knew of; None when there is none. `recs`: one per rank, {"actor", "held": [[rank, step,
+    samples, committed, path, judged], ...]} (ranks on one node send the same holdings)."""
     by: dict[tuple[int, int], dict] = {}  # (rank, step) -> {samples: [(actor, path)]}
+    judged: set[tuple[int, int]] = set()  # (step, samples) whose loss was read and found healthy
     floor = None
     for r in {r["actor"]: r for r in recs if r.get("actor")}.values():
-        for held_rank, step, samples, committed, path in r["held"]:
+        for held_rank, step, samples, committed, path, ok in r["held"]:
             by.setdefault((held_rank, step), {}).setdefault(samples, []).append((r["actor"], path))
+            if ok:
+                judged.add((step, samples))
             if held_rank == 0 and committed is not None:
                 floor = committed if floor is None else max(floor, committed)
     for step in sorted({s for _, s in by}, reverse=True):
         if floor is not None and step < floor:
             break
-        common = set(by.get((0, step), {}))
+        common = {samples for samples in by.get((0, step), {}) if (step, samples) in judged}
         for k in range(1, world):
             common &= set(by.get((k, step), {}))
         if common:

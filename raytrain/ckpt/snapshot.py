@@ -6,6 +6,11 @@ write first zeroes the commit block's magic (the generation is then invalid), co
 crc32, the magic word last). A reader accepts a generation only when the magic, the header's crc and every buffer's
 checksum match: a copy torn by a kill, or a header of one step over the data of another, is never loaded.
 
+A generation of a step whose loss had not been read when it was taken (the loss is read a step late on steady steps:
+raytrain/worker/verdict.py) says so in its header; once the loss is judged, its rank writes the step into the commit
+block's judged word (zeroed when a write starts). A restore takes only judged generations (`judged`): a NaN step's
+weights are never resumed from.
+
 The buffer checksum is the wrapped int64 sum of the buffer's int32 words (plus its tail bytes): any stale region of
 a torn copy changes it, and a GPU computes it on the source in well under a millisecond, so GPU tensors reach shared
 memory by an asynchronous copy on a side stream (`write_from_gpu`) that the CPU never reads back; crc32 would cost
@@ -29,6 +34,8 @@ import numpy as np
 MAGIC = b"RTSNAP01"
 _BLOCK = struct.Struct("<8sQQI")  # magic, header offset, header length, header crc32
 BLOCK_SIZE = 64
+_JUDGED = struct.Struct("<q")  # the step whose loss was judged after the generation was written (0: none)
+JUDGED_AT = 32  # its offset in the commit block: an aligned 8-byte word after the block's fields
 
 
 @dataclass(frozen=True)
@@ -160,7 +167,7 @@ def write_mapped(mapping: "Mapping", meta: dict, skeleton: bytes, tensors: list)
     """`write` into a generation kept mapped (a rank maps each of its two once: no page faults per snapshot)."""
     view = memoryview(mapping.mm)
     try:
-        view[:len(MAGIC)] = b"\0" * len(MAGIC)
+        _blank(view)
         bufs, off = _put_skeleton(view, skeleton)
         for t in tensors:
             b = _as_bytes(t)
@@ -174,6 +181,32 @@ def write_mapped(mapping: "Mapping", meta: dict, skeleton: bytes, tensors: list)
         return _commit(view, mapping.path, {**meta, "buffers": bufs, "layout": layout_of(tensors)}, off)
     finally:
         view.release()
+
+
+def _blank(view) -> None:
+    """A write starts: the generation reads as invalid, and as unjudged once committed (the old step's mark goes)."""
+    view[:len(MAGIC)] = b"\0" * len(MAGIC)
+    view[JUDGED_AT:JUDGED_AT + _JUDGED.size] = b"\0" * _JUDGED.size
+
+
+def mark_judged(mapping: "Mapping", step: int) -> None:
+    """The committed generation in `mapping`, of `step`, may be restored: its loss was read and passed the health
+    rules. One aligned 8-byte store, no header rewrite: a generation read meanwhile is never torn by it."""
+    mapping.mm[JUDGED_AT:JUDGED_AT + _JUDGED.size] = _JUDGED.pack(step)
+
+
+def judged(path: str, header: dict) -> bool:
+    """Whether the generation at `path` with `header` (read_header's) is of a step whose loss was judged: when it was
+    taken, or marked since."""
+    if header.get("judged") is True:
+        return True
+    try:
+        with open(path, "rb") as f:
+            f.seek(JUDGED_AT)
+            word = f.read(_JUDGED.size)
+    except OSError:
+        return False
+    return len(word) == _JUDGED.size and _JUDGED.unpack(word)[0] == int(header["step"])
 
 
 def _put_skeleton(view, skeleton: bytes) -> tuple[list, int]:
@@ -251,7 +284,7 @@ def write_from_gpu(mapping: Mapping, meta: dict, skeleton: bytes, tensors: list,
 
     view = memoryview(mapping.mm)
     try:
-        view[:len(MAGIC)] = b"\0" * len(MAGIC)
+        _blank(view)
         bufs, off = _put_skeleton(view, skeleton)
     finally:
         view.release()

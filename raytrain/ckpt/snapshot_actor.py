@@ -6,10 +6,10 @@ written by the ranks themselves (raytrain/ckpt/host_snapshots.py; layout in rayt
 other nodes sent it. The driver removes a run's actors and files when the run ends or fails, and any leftovers at
 the next start (`release_run`).
 
-Peer copy: after a snapshot a rank may ask its actor to send that generation to the partner node's actor (the next
-actor of the run by name); one copy per rank is in flight at a time, and a request that finds the previous copy
-still running is dropped, so a slow network turns "every checkpoint.memory_peer_every_n_steps" into "every k steps"
-on its own. Bytes per node per copy: its ranks' snapshots, 12 x params / nodes.
+Peer copy: once a snapshot's loss is judged a rank may ask its actor to send that generation to the partner node's
+actor (the next actor of the run by name); one copy per rank is in flight at a time, and a request that finds the
+previous copy still running is dropped, so a slow network turns "every checkpoint.memory_peer_every_n_steps" into
+"every k steps" on its own. Bytes per node per copy: its ranks' snapshots, 12 x params / nodes.
 """
 
 from __future__ import annotations
@@ -135,15 +135,16 @@ class NodeMemory:
         return True
 
     def holdings(self, world: int, fmt: int) -> list[list]:
-        """[rank, step, samples, committed, path] of every generation and peer copy held here that a world of this
-        size wrote (headers only: cheap); what the restore's agreement gathers from every node."""
+        """[rank, step, samples, committed, path, judged] of every generation and peer copy held here that a world of
+        this size wrote (headers only: cheap); what the restore's agreement gathers from every node."""
         out = []
         with self._lock:
             paths = sorted(self.files)
         for path in paths:
             h = snapshot.read_header(path)
             if h and h.get("format") == fmt and h.get("world") == world:
-                out.append([int(h["rank"]), int(h["step"]), h.get("samples"), h.get("committed"), path])
+                out.append([int(h["rank"]), int(h["step"]), h.get("samples"), h.get("committed"), path,
+                            snapshot.judged(path, h)])
         return out
 
     def fetch(self, rank: int, world: int, step: Optional[int] = None) -> Optional[bytes]:

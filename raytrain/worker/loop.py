@@ -76,8 +76,8 @@ class WorkerRun:
         # Resume point first: host memory (this node's snapshot of the newest step every rank holds), else the newest
         # committed checkpoint in the run directory (our manifests); another world size's goes through universal form.
         self.faults = Faults(loop_config.get("inject"), rank=rank, global_batch=cfg.global_batch)
-        self.memory = MemoryTier(cfg.checkpoint, run_uri=cfg.run_uri, rank=rank, world=world,
-                                 enabled=cfg.deepspeed.tensor_parallel_size == 1, drill_delay_s=self.faults.snapshot_delay_s)
+        self.memory = MemoryTier(cfg.checkpoint, run_uri=cfg.run_uri, rank=rank, world=world, drills=self.faults,
+                                 enabled=cfg.deepspeed.tensor_parallel_size == 1)
         self.from_memory = find_memory_point(self.memory, rank)
         resumed = None if self.from_memory else find_resume_point(
             cfg.run_uri, rank, deep=cfg.checkpoint.verify_on_resume == "checksum", local_dir=cfg.checkpoint.local_dir,
@@ -217,15 +217,17 @@ class WorkerRun:
         """The health rules on the losses read at this step, oldest first; True if the run rolled back."""
         for step, loss in verdict.losses:
             bad = self.tel.health.check_step(step, loss)
-            if bad is not None and bad.action != "warn":
-                self.agreement.drop()  # this step is discarded with the rest
-                self.notice.defer(verdict.preempted)  # acted on once the rolled-back steps are redone
-                # the bad step's batch: this step's (not counted yet) or the one before it (a loss read late, when
-                # this step's batch, read too, is skipped with it)
-                gb = self.cfg.global_batch
-                self.roll_back(bad, step=step, start=self.state.samples_seen - (self.state.step - step) * gb,
-                               taken=self.state.samples_seen + gb)
-                return True
+            if bad is None or bad.action == "warn":
+                self.memory.judged(step)  # a snapshot of this step's weights may now be restored
+                continue
+            self.agreement.drop()  # this step is discarded with the rest
+            self.notice.defer(verdict.preempted)  # acted on once the rolled-back steps are redone
+            # the bad step's batch: this step's (not counted yet) or the one before it (a loss read late, when
+            # this step's batch, read too, is skipped with it)
+            gb = self.cfg.global_batch
+            self.roll_back(bad, step=step, start=self.state.samples_seen - (self.state.step - step) * gb,
+                           taken=self.state.samples_seen + gb)
+            return True
         return False
 
     def after_step(self, verdict: StepVerdict, aux: Optional[torch.Tensor]) -> None:
@@ -360,11 +362,13 @@ class WorkerRun:
                          device=self.device, mixture=loop_config.get("mixture"))
 
     def _vote_on_memory(self):
-        """Before any collective of the restore: every rank says whether it can apply its snapshot (one small
-        all-gather). If any cannot, every rank restores from storage instead (the resume point it returns), one
-        warning says why, and restores.jsonl records it; snapshots of this timeline are not offered again."""
+        """Before any collective of the restore: every rank says whether it holds its snapshot (fetched and read
+        intact: find_memory_point) and can apply it (one small all-gather). If any cannot, every rank restores from
+        storage instead (the resume point it returns), one warning says why, and restores.jsonl records it;
+        snapshots of this timeline are not offered again."""
         cfg, rank = self.cfg, self.rank
-        refused = agree_apply(check_snapshot(self.engine, self.from_memory.state, self.faults), rank, self.world)
+        mine = self.from_memory.refused or check_snapshot(self.engine, self.from_memory.state, self.faults)
+        refused = agree_apply(mine, rank, self.world)
         if refused is None:
             return None
         step = self.from_memory.step
@@ -517,9 +521,11 @@ def _total(parts: list) -> Optional[torch.Tensor]:
     return total if total.dtype == torch.float32 else total.float()
 
 
-def _counters(from_memory, resumed) -> tuple[int, int]:
+def _counters(from_memory, resumed) -> Optional[tuple[int, int]]:
     """(step, samples_seen) the attempt will resume at, read before the engine is built: the memory snapshot's, the
     checkpoint's (a few bytes), or a fresh start's."""
+    if from_memory is not None and from_memory.state is None:
+        return None  # this rank could not read it: the vote sends every rank to storage, not predicted here
     if from_memory is not None:
         st = TrainState.from_dict(from_memory.state["train_state"])
     elif resumed is not None:

@@ -10,7 +10,9 @@ or checkpoint step, the last step), its all-reduce is launched and its result co
 the step's kernels, and read at the next step, by when it has long landed. The host waits for nothing, so it
 queues the next step's kernels while the accelerator still runs this one. The loss is then judged, and the
 flags acted on, one step later: a rollback comes a step later (and discards that step too), a preemption's
-checkpoint is the next step's, and a step that checkpoints reads its own loss before it saves.
+checkpoint is the next step's, and a step that checkpoints reads its own loss before it saves. A host-memory
+snapshot does not wait for its loss: it is taken at once and restorable only once the loop has judged that loss
+(ckpt/host_snapshots.py `judged`), so no restore resumes from weights whose loss nobody read.
 """
 
 from __future__ import annotations
