@@ -235,6 +235,12 @@ class ScalingSection(Section):
         return isinstance(self.num_workers, list) and self.num_workers[0] != self.num_workers[1]
 
     @property
+    def worker_resources(self) -> dict[str, float]:
+        """The Ray resources one training worker takes."""
+        return {"CPU": self.cpus_per_worker, **self.resources_per_worker,
+                **({"GPU": self.gpus_per_worker} if self.use_gpu else {})}
+
+    @property
     def min_workers(self) -> int:
         return self.num_workers[0] if isinstance(self.num_workers, list) else self.num_workers
 

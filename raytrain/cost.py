@@ -118,6 +118,24 @@ class NodeRecorder:
             pass
 
 
+def _node_hours_by_size(run_uri: str, nodes: list[dict]) -> dict[int, dict[str, float]]:
+    """Worker node-hours by the run's world size at the time and by market: each attempt of the goodput ledger, from
+    its start (or restart) to its last step, against each node's time alive (nodes.json)."""
+    from raytrain.goodput import ledger
+
+    g = ledger(run_uri)
+    out: dict[int, dict[str, float]] = {}
+    for a in (g or {}).get("attempts", []):
+        row = out.setdefault(int(a["world_size"] or 0), {})
+        for n in nodes:
+            if n["type"] == "head":
+                continue
+            t = min(a["end"], n.get("last_seen", n["first_seen"])) - max(a["start"], n["first_seen"])
+            if t > 0:
+                row[n["market"]] = row.get(n["market"], 0.0) + t / 3600
+    return out
+
+
 def _committed_time(run_uri: str, step: int) -> Optional[float]:
     """When the checkpoint at `step` was committed (its manifest), if it is still there."""
     from raytrain.ckpt.layout import MANIFEST, dir_name, parse_timestamp
@@ -224,6 +242,7 @@ def report(run_uri: str, prices: Prices, mtbf_s: Optional[float] = None,
                          **_lost_steps(cur["resumed_step"], lost_s, t_fail, beat, step_s),
                          "recovery_s": round(cur.get("first_step_time", cur["time"]) - t_fail, 1)})
 
+    by_size = _node_hours_by_size(run_uri, nodes)
     ckpt_costs = [r["ckpt_stall_s"] for r in metrics if isinstance(r.get("ckpt_stall_s"), (int, float))]
     ckpt_cost_s = sum(ckpt_costs) / len(ckpt_costs) if ckpt_costs else None
     preemptions = max(len(lost_nodes), len(restarts))
@@ -233,7 +252,7 @@ def report(run_uri: str, prices: Prices, mtbf_s: Optional[float] = None,
     mtbf = mtbf_s or observed_mtbf or prior_mtbf_s
     yd_s = young_daly_s(ckpt_cost_s, mtbf) if (ckpt_cost_s and mtbf) else None
     return {
-        "run_uri": run_uri, "steps": steps, "by_market": by_market, "cost": spent, "on_demand_cost": on_demand,
+        "run_uri": run_uri, "steps": steps, "by_market": by_market, "by_size": by_size, "cost": spent, "on_demand_cost": on_demand,
         "savings": on_demand - spent, "preemptions": preemptions, "nodes_lost": len(lost_nodes),
         "restarts": restarts, "lost_steps": sum(r["lost_steps"] or 0 for r in restarts),
         "checkpoints": len(ckpt_costs), "checkpoint_cost_s": ckpt_cost_s,
@@ -255,6 +274,10 @@ def format_report(r: dict) -> str:
                      f"{money(row['on_demand_cost']):>10}")
     if not r["by_market"]:
         lines.append("  (no nodes.json: node time was not recorded for this run)")
+    if r.get("by_size"):
+        lines.append("  worker node-hours by the run's size: " + "; ".join(
+            f"{w} workers: " + ", ".join(f"{m} {h:.4f}" for m, h in sorted(row.items())) for w, row in
+            sorted(r["by_size"].items())))
     p = r["prices"]
     lines += [f"  spent {money(r['cost'])}; the same node time on on-demand {money(r['on_demand_cost'])} "
               f"(saved {money(r['savings'])}); prices per hour: spot {p['spot_per_hour']}, on-demand "

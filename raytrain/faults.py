@@ -14,8 +14,9 @@
                                         raytrain's code to path (worker/host_reads.py)
 Signals: any signal name (SIGTERM goes through the worker's real handler: a preemption checkpoint;
 SIGKILL dies on the spot), "STALL" with "seconds" (the rank hangs), "REMOVE_NODE" / "DRAIN_NODE" (carried
-out on this worker's node by scripts/chaos.py), "REMOVE_DATA_NODE" (the cluster's CPU-only data node, by
-scripts/chaos.py). A marker file per event makes each fire once, so the
+out on this worker's node by scripts/chaos.py; "replace": false on a REMOVE_NODE: no node replaces it, as when spot
+capacity is gone), "REMOVE_DATA_NODE" (the cluster's CPU-only data node, by scripts/chaos.py), "ADD_NODE" (a worker
+node joins, by scripts/chaos.py; the run trains on). A marker file per event makes each fire once, so the
 restarted worker trains on past that step.
 """
 
@@ -89,9 +90,17 @@ class Faults:
 
 
 def _fire(sig: str, event: dict, fired: str) -> None:
-    if sig == "REMOVE_DATA_NODE":  # the chaos harness kills the cluster's data node; this rank trains on
+    if sig in ("REMOVE_DATA_NODE", "ADD_NODE"):  # carried out by the chaos harness; this rank trains on
         with open(fired + ".request", "w") as f:
             json.dump({"action": sig}, f)
+        if sig == "ADD_NODE":
+            # A tiny drill's steps are milliseconds: the step lasts until the node has joined and "hold_s" more, so
+            # that the run is still going when an elastic controller grows onto it.
+            for _ in range(3000):
+                if os.path.exists(fired + ".ack"):
+                    break
+                time.sleep(0.1)
+            time.sleep(float(event.get("hold_s", 0)))
         return
     if sig in ("REMOVE_NODE", "DRAIN_NODE"):
         # Node-level events are carried out by the chaos harness on this worker's node; a removed node
@@ -99,7 +108,8 @@ def _fire(sig: str, event: dict, fired: str) -> None:
         import ray
 
         with open(fired + ".request", "w") as f:
-            json.dump({"action": sig, "node_id": ray.get_runtime_context().get_node_id()}, f)
+            json.dump({"action": sig, "node_id": ray.get_runtime_context().get_node_id(),
+                       "replace": event.get("replace", True)}, f)
         if sig == "REMOVE_NODE":
             time.sleep(300)
             return

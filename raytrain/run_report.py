@@ -12,7 +12,7 @@ from typing import Optional
 from raytrain import storage
 from raytrain.errors import UserError
 from raytrain.ckpt.layout import step_of
-from raytrain.rundir import METRICS, MIXTURE, REPORT_MD, REPORT_PNG, RESTORES, SUMMARY, RunDir
+from raytrain.rundir import METRICS, MIXTURE, REPORT_GOODPUT, REPORT_MD, REPORT_PNG, RESTORES, SUMMARY, RunDir
 
 
 def load_records(run_uri: str) -> list[dict]:
@@ -102,6 +102,54 @@ def plot(recs: list[dict], title: str, path: str, restarted: tuple[dict, ...] = 
     plt.close(fig)
 
 
+def plot_goodput(g: dict, recs: list[dict], title: str, path: str) -> None:
+    """One picture of the ledger: the world size and the steps over wall time (waits shaded), badput by kind."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t0 = g["submitted"]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 8), gridspec_kw={"height_ratios": [3, 2]})
+    xs, ys = [0.0], [0]
+    for a in g["attempts"]:
+        xs += [a["start"] - t0, a["first_step"] - t0, a["end"] - t0]
+        ys += [0, a["world_size"], a["world_size"]]
+    xs.append(g["ended"] - t0)
+    ys.append(0)
+    top.step(xs, ys, where="post", color="tab:blue", label="workers training")
+    top.set_ylabel("workers")
+    top.set_xlabel("seconds since submission")
+    steps = [(r["time"] - t0, r["step"]) for r in recs if "loss" in r and "time" in r]
+    if steps:
+        right = top.twinx()
+        right.plot(*zip(*steps), ".", color="tab:green", markersize=3, label="step (final timeline)")
+        right.set_ylabel("optimizer step")
+    top.set_title(f"goodput {g['goodput']:.1%} of {g['wall_s']:,.0f} s")
+    top.grid(True, alpha=0.3)
+    top.legend(loc="upper left")
+    bad = [(k, v) for k, v in g["seconds"].items() if k != "productive" and v > 0]
+    bottom.barh([k for k, _ in bad][::-1], [v for _, v in bad][::-1], color="tab:red")
+    bottom.set_xlabel("badput seconds by kind (productive: " + f"{g['seconds'].get('productive', 0):,.1f} s)")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def goodput_lines(g: Optional[dict]) -> list[str]:
+    """The report's goodput section."""
+    if g is None:
+        return ["## Goodput", "", "No ledger (the run has no submission event: trained before the ledger existed).", ""]
+    wall = g["wall_s"] or 1.0
+    out = ["## Goodput", "", f"![size and goodput over time]({REPORT_GOODPUT})", "",
+           f"Goodput {g['goodput']:.1%} of {g['wall_s']:,.1f} s of wall time; sizes "
+           + " -> ".join(str(a["world_size"]) for a in g["attempts"]) + ".", "",
+           "| kind | seconds | share |", "| --- | --- | --- |"]
+    out += [f"| {k} | {v:,.1f} | {v / wall:.1%} |" for k, v in g["seconds"].items() if v > 0]
+    return out + [""]
+
+
 def _f(v, fmt: str) -> str:
     return format(v, fmt) if isinstance(v, (int, float)) and not isinstance(v, bool) else "-"
 
@@ -156,7 +204,7 @@ def bad_batch_documents(run_uri: str, recs: list[dict]) -> dict[int, list[str]]:
 
 
 def markdown(recs: list[dict], summary: Optional[dict], run_uri: str, png_name: str,
-             restarted: tuple[dict, ...] = (), bad_docs: Optional[dict] = None) -> str:
+             restarted: tuple[dict, ...] = (), bad_docs: Optional[dict] = None, goodput: Optional[dict] = None) -> str:
     s = summary or {}
     last = lambda k: next((r[k] for r in reversed(recs) if isinstance(r.get(k), (int, float))), None)  # noqa: E731
     first = lambda k: next((r[k] for r in recs if isinstance(r.get(k), (int, float))), None)  # noqa: E731
@@ -186,6 +234,7 @@ def markdown(recs: list[dict], summary: Optional[dict], run_uri: str, png_name: 
         lines += ["Step time by phase at the last log step: " +
                   ", ".join(f"{k} {_f(v, '.4f')} s" for k, v in phases.items()), ""]
     lines += mixture_lines(s, recs, RunDir(run_uri).read_jsonl(MIXTURE))
+    lines += goodput_lines(goodput)
     lines += ["## Restarts", ""]
     if not restarted:
         lines.append("No restarts.")
@@ -216,6 +265,8 @@ def report(run_uri: str, out: Optional[str] = None) -> tuple[str, str]:
     """Writes report.png and report.md into `out` (default: the run directory). Returns their URIs."""
     import tempfile
 
+    from raytrain.goodput import ledger
+
     run_uri = storage.absolute(run_uri)
     recs = load_records(run_uri)
     if not any("loss" in r for r in recs):
@@ -229,6 +280,10 @@ def report(run_uri: str, out: Optional[str] = None) -> tuple[str, str]:
         restarted = tuple(restarts(run_uri))
         plot(recs, f"raytrain run {name}", local, restarted)
         storage.upload_file(local, png)
+        g = ledger(run_uri)
+        if g is not None:
+            plot_goodput(g, recs, f"raytrain run {name}", os.path.join(d, REPORT_GOODPUT))
+            storage.upload_file(os.path.join(d, REPORT_GOODPUT), storage.join(out, REPORT_GOODPUT))
     storage.write_text(md, markdown(recs, summary, run_uri, REPORT_PNG, restarted,
-                                    bad_docs=bad_batch_documents(run_uri, recs)))
+                                    bad_docs=bad_batch_documents(run_uri, recs), goodput=g))
     return png, md

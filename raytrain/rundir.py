@@ -41,8 +41,11 @@ MIXTURE = _file("mixture.jsonl", "a data mixture's sources and weight schedule a
 HEALTH = _file("health.json", "the health report of a run the rules stopped", "rank 0")
 COMM_FAILURE = _file("comm_failure.txt", "the newest communication-failure diagnosis (rank, collective, "
                      "settings)", "the rank that waited")
-ELASTIC = _file("elastic.jsonl", "the Train controller's size events: each worker group's size, waits for capacity "
-                "and how long, growth, nodes lost (and charged to run.max_preemptions)", "driver, relaying the controller")
+ELASTIC = _file("elastic.jsonl", "the run's events: each submission and its end, and the Train controller's: each "
+                "worker group's size, waits for capacity, growth, nodes lost (charged to run.max_preemptions)",
+                "driver, relaying the controller")
+GOODPUT = _file("goodput.json", "the goodput ledger (raytrain/goodput.py): every second of the run's wall time by "
+                "kind, per attempt, with the world size over time", "driver, at the end of each submission")
 NODES = _file("nodes.json", "node time by market and lost nodes, for `raytrain cost`", "driver")
 RESUME_MARKER = _file("resume_from.json", "`raytrain ckpt rollback`: the step the next resume starts from",
                       "`raytrain ckpt rollback`")
@@ -59,6 +62,7 @@ AUDIT = _file("audit", "append-only audit records (`raytrain/audit.py`): <writer
               "`raytrain export`), each process under a writer id of its own", directory=True)
 TENSORBOARD = _file("tensorboard", "TensorBoard event files", "rank 0", directory=True)
 REPORT_PNG = _file("report.png", "loss, perplexity and throughput plots", "`raytrain report`")
+REPORT_GOODPUT = _file("goodput.png", "the world size and goodput over time, badput by kind", "`raytrain report`")
 REPORT_MD = _file("report.md", "the run's report in Markdown", "`raytrain report`")
 CHECKPOINTS = _file("checkpoint_NNNNNNNN", "a checkpoint; complete once its manifest.json exists "
                     "(docs/LIFECYCLE.md)", "every rank; rank 0 commits", directory=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from typing import Callable, Optional
 
 import numpy as np
@@ -19,7 +20,7 @@ from raytrain.data.reader import read_unit
 from raytrain.data.sample_plan import units_of
 from raytrain.data.manifest import Split, load_split
 from raytrain.errors import UserError
-from raytrain.rundir import COMM_FAILURE, CONFIG, RunDir
+from raytrain.rundir import COMM_FAILURE, CONFIG, GOODPUT, RunDir
 from raytrain.worker.runlog import read_summary
 
 HEALTH_CHECK_INTERVAL_S = 0.5  # Ray Train's worker poll (default 2 s): fault detection and the end of a run
@@ -255,6 +256,7 @@ def train(cfg: Config, log: Callable[[str], None] = print, inject: Optional[dict
     from raytrain.restart_phases import make_clock
     from raytrain.worker.loop import train_loop_per_worker
 
+    t_submit = time.time()  # the goodput ledger's first second (raytrain/goodput.py)
     cfg.storage.apply()  # encryption of object traffic and objects, before the first S3 call and every Ray process
     cfg = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(
         update={"storage": storage.absolute(cfg.checkpoint.storage)})})
@@ -282,7 +284,7 @@ def train(cfg: Config, log: Callable[[str], None] = print, inject: Optional[dict
     storage.write_text(RunDir(cfg.run_uri).uri(CONFIG), cfg.to_yaml())
     audit_submit(cfg, submitted)
     s = cfg.scaling
-    resources = {"CPU": s.cpus_per_worker, **s.resources_per_worker, **({"GPU": s.gpus_per_worker} if s.use_gpu else {})}
+    resources = s.worker_resources
     storage_path, fs = storage.ray_storage(cfg.checkpoint.storage)
     # Ray Train's controller polls the workers every 2 s by default, and a dead worker, like the end of every
     # run, waits for the next poll; 0.5 s costs it a few small actor calls a second (docs/FAULT_TOLERANCE.md).
@@ -311,7 +313,7 @@ def train(cfg: Config, log: Callable[[str], None] = print, inject: Optional[dict
             worker_runtime_env={"env_vars": worker_env()},
         ),
     )
-    _fit(trainer, cfg)
+    _fit(trainer, cfg, submitted=t_submit, log=log)
     summary = read_summary(cfg.run_uri)
     if summary is None:
         raise RuntimeError(f"training finished but wrote no summary.json under {cfg.run_uri}")
@@ -329,8 +331,18 @@ def say_batch(cfg: Config, vocab: int, log: Callable[[str], None]) -> None:
 
     log(f"[raytrain] run {cfg.run.name} -> {cfg.run_uri} | global batch {cfg.global_batch} sequences at every size "
         f"in scaling.num_workers={cfg.scaling.num_workers}")
-    for line in lines(cfg, param_count(cfg, vocab)):
+    for line in lines(cfg, param_count(cfg, vocab), per_node=ranks_per_node(cfg)):
         log(line)
+
+
+def ranks_per_node(cfg: Config) -> int:
+    """The most workers one alive node of the connected cluster holds (1 where none holds any yet)."""
+    import ray
+
+    from raytrain.elastic.sizing import workers_on
+
+    per_worker = cfg.scaling.worker_resources
+    return max([workers_on(n.get("Resources") or {}, per_worker) for n in ray.nodes() if n.get("Alive")] + [1])
 
 
 def audit_submit(cfg: Config, submitted: Optional[dict]) -> dict:
@@ -365,13 +377,13 @@ def worker_env() -> dict:
     return {k: os.environ[k] for k in PROPAGATED_ENV if k in os.environ}
 
 
-def _fit(trainer, cfg: Config) -> None:
-    """trainer.fit(), with the run's node records and host-memory snapshots around it; our errors as one line."""
+def _fit(trainer, cfg: Config, *, submitted: float, log: Callable[[str], None]) -> None:
+    """trainer.fit(), with the run's node records, its events (elastic.jsonl) and host-memory snapshots around it, the
+    goodput ledger after it; our errors as one line."""
     from raytrain.ckpt.snapshot_actor import release_run as release_memory
     from raytrain.cost import NodeRecorder
-    from raytrain.restart_phases import forget as forget_restart_phases
-
     from raytrain.elastic.events import Relay
+    from raytrain.restart_phases import forget as forget_restart_phases
 
     # Node time by market and lost nodes, for `raytrain cost` (raytrain/cost.py).
     recorder = NodeRecorder(cfg.run_uri) if cfg.cost.record_nodes else contextlib.nullcontext()
@@ -380,7 +392,7 @@ def _fit(trainer, cfg: Config) -> None:
     # Host-memory snapshots live only while the run does: a killed driver's are removed here, the rest in finally.
     release_memory(cfg.run_uri, cfg.checkpoint.memory_dir)
     try:
-        with recorder, Relay(cfg.run_uri, lambda line: print(line, flush=True)):  # the controller's size events, said and kept in elastic.jsonl
+        with recorder, Relay(cfg.run_uri, log, submitted=submitted):
             trainer.fit()
     except Exception as e:  # noqa: BLE001 - Ray wraps worker errors; surface ours as one line
         waited = _capacity_timeout(e)
@@ -397,3 +409,21 @@ def _fit(trainer, cfg: Config) -> None:
     finally:
         release_memory(cfg.run_uri, cfg.checkpoint.memory_dir)
         forget_restart_phases(cfg.run_uri)
+        _goodput(cfg.run_uri, log)
+
+
+def _goodput(run_uri: str, log: Callable[[str], None]) -> None:
+    """The run's goodput ledger, kept in goodput.json and said in one line."""
+    from raytrain.goodput import ledger
+
+    try:
+        g = ledger(run_uri)
+    except Exception as e:  # noqa: BLE001 - accounting must never be why a run fails
+        log(f"[raytrain] warning: no goodput ledger ({type(e).__name__}: {e})")
+        return
+    if g is None:
+        return
+    RunDir(run_uri).write_json(GOODPUT, g)
+    bad = sorted(((k, v) for k, v in g["seconds"].items() if k != "productive"), key=lambda kv: -kv[1])[:3]
+    log(f"[raytrain] goodput {g['goodput']:.1%} of {g['wall_s']:.1f} s; most badput: "
+        + ", ".join(f"{k} {v:.1f} s" for k, v in bad) + " (raytrain report)")

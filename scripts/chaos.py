@@ -87,20 +87,22 @@ class Harness:
         import ray
 
         k = len(self.nodes)
-        alive = sum(n["Alive"] for n in ray.nodes())
         self.nodes[k] = self._start([f"--address={self.address}", "--num-cpus=1",
                                      f"--resources={json.dumps({'trainer': 1, f'chaos_node_{k}': 1})}"])
-        _wait(lambda: sum(n["Alive"] for n in ray.nodes()) > alive, 180, f"worker node {k} did not join")
+        _wait(lambda: any(n["Alive"] and f"chaos_node_{k}" in n["Resources"] for n in ray.nodes()), 180,
+              f"worker node {k} did not join")
         return k
 
     def add_data_node(self) -> None:
         """A CPU-only data node (the `data` resource: data.reader=ray's read tasks run there and only there)."""
         import ray
 
-        alive = sum(n["Alive"] for n in ray.nodes())
+        # Known by its id: a node killed just before may be marked dead while this one joins (a count stays even).
+        before = {n["NodeID"] for n in ray.nodes()}
         self.data_nodes.append(self._start([f"--address={self.address}", "--num-cpus=1",
                                             f"--resources={json.dumps({'data': 1000})}"]))
-        _wait(lambda: sum(n["Alive"] for n in ray.nodes()) > alive, 180, "the data node did not join")
+        _wait(lambda: any(n["Alive"] and n["NodeID"] not in before and n["Resources"].get("data")
+                          for n in ray.nodes()), 180, "the data node did not join")
 
     def _node_index(self, node_id: str) -> int:
         import ray
@@ -130,33 +132,45 @@ class Harness:
                     continue
                 self.done.add(req)
                 ev = json.load(open(req))
-                t = time.time()
-                if ev["action"] == "REMOVE_DATA_NODE":
-                    # Lost without notice, its read tasks' outputs with it; the replacement an autoscaler would bring
-                    # comes once it is gone (until then the pipeline has nowhere to run).
-                    self._kill(self.data_nodes[-1])
-                    self.add_data_node()
-                    self.log.append({"action": ev["action"], "time": t})
-                    continue
-                k = self._node_index(ev["node_id"])
-                if ev["action"] == "REMOVE_NODE":
-                    self.add_node()  # the replacement an autoscaler would bring
-                    self.kill_node(k)
-                else:
-                    # The notice first, then the replacement: a node joining takes tens of seconds on a loaded
-                    # machine, and a notice that late found the run already past the drained step.
-                    import ray
-                    from ray.core.generated import autoscaler_pb2
-
-                    gcs = ray._raylet.GcsClient(address=self.address)
-                    deadline_ms = int((time.time() + self.deadline_s) * 1000)
-                    gcs.drain_node(ev["node_id"], autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
-                                   "chaos drill: spot interruption notice", deadline_ms)
-                    threading.Timer(self.deadline_s + 1, self.kill_node, args=(k,)).start()
-                    open(req[:-len(".request")] + ".ack", "w").close()
-                    self.add_node()
-                self.log.append({"action": ev["action"], "node_id": ev["node_id"], "time": t})
+                try:
+                    self._carry_out(req, ev, time.time())
+                except Exception as e:  # noqa: BLE001 - said in the result; the drill's later events still run
+                    self.log.append({"action": ev["action"], "error": f"{type(e).__name__}: {e}", "time": time.time()})
             time.sleep(0.2)
+
+    def _carry_out(self, req: str, ev: dict, t: float) -> None:
+        """One node event a worker requested."""
+        if ev["action"] == "REMOVE_DATA_NODE":
+            # Lost without notice, its read tasks' outputs with it; the replacement an autoscaler would bring
+            # comes once it is gone (until then the pipeline has nowhere to run).
+            self._kill(self.data_nodes[-1])
+            self.add_data_node()
+            self.log.append({"action": ev["action"], "time": t})
+            return
+        if ev["action"] == "ADD_NODE":  # capacity comes back (an elastic run grows onto it)
+            self.add_node()
+            open(req[:-len(".request")] + ".ack", "w").close()
+            self.log.append({"action": ev["action"], "time": t})
+            return
+        k = self._node_index(ev["node_id"])
+        if ev["action"] == "REMOVE_NODE":
+            if ev.get("replace", True):
+                self.add_node()  # the replacement an autoscaler would bring
+            self.kill_node(k)
+        else:
+            # The notice first, then the replacement: a node joining takes tens of seconds on a loaded
+            # machine, and a notice that late found the run already past the drained step.
+            import ray
+            from ray.core.generated import autoscaler_pb2
+
+            gcs = ray._raylet.GcsClient(address=self.address)
+            deadline_ms = int((time.time() + self.deadline_s) * 1000)
+            gcs.drain_node(ev["node_id"], autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+                           "chaos drill: spot interruption notice", deadline_ms)
+            threading.Timer(self.deadline_s + 1, self.kill_node, args=(k,)).start()
+            open(req[:-len(".request")] + ".ack", "w").close()
+            self.add_node()
+        self.log.append({"action": ev["action"], "node_id": ev["node_id"], "time": t})
 
     def watch(self, marker: str) -> "Harness":
         self.marker = marker
@@ -215,6 +229,12 @@ def main(argv=None) -> int:
     ap.add_argument("--every", type=int, default=4, help="checkpoint interval")
     ap.add_argument("--kills", type=int, default=3, help="SIGKILLs of worker processes at random steps")
     ap.add_argument("--remove-node-at", type=int, default=0, help="remove a worker's node at this step")
+    ap.add_argument("--lose-node-at", type=int, default=0,
+                    help="remove a worker's node at this step with no replacement (spot capacity gone)")
+    ap.add_argument("--add-node-at", type=int, default=0, help="a worker node joins at this step")
+    ap.add_argument("--add-node-hold", type=float, default=0.0,
+                    help="the step that adds a node lasts until it joined and this many seconds more")
+    ap.add_argument("--nodes", type=int, default=2, help="worker nodes (one `trainer` slot each) at the start")
     ap.add_argument("--drain-at", type=int, default=0, help="drain a worker's node for preemption at this step")
     ap.add_argument("--remove-data-node-at", type=int, default=0,
                     help="add a CPU-only data node (data.reader=ray reads there) and remove it at this step")
@@ -242,7 +262,7 @@ def main(argv=None) -> int:
     harness = Harness(args.drain_deadline)
     marker = os.path.join(tempfile.mkdtemp(prefix="raytrain-chaos-"), "event")
     rng = random.Random(args.seed)
-    busy = {args.remove_node_at, args.drain_at, args.remove_data_node_at}
+    busy = {args.remove_node_at, args.drain_at, args.remove_data_node_at, args.lose_node_at, args.add_node_at}
     kill_steps = sorted(rng.sample([s for s in range(2, args.steps) if s not in busy], args.kills))
     events = [{"step": s, "rank": rng.randrange(2), "signal": "SIGKILL"} for s in kill_steps]
     if args.remove_node_at:
@@ -251,12 +271,16 @@ def main(argv=None) -> int:
         events.append({"step": args.drain_at, "rank": 1, "signal": "DRAIN_NODE"})
     if args.remove_data_node_at:
         events.append({"step": args.remove_data_node_at, "rank": 0, "signal": "REMOVE_DATA_NODE"})
+    if args.lose_node_at:  # rank 1's node, not rank 0's (whose records the drill reads), as --remove-node-at
+        events.append({"step": args.lose_node_at, "rank": 1, "signal": "REMOVE_NODE", "replace": False})
+    if args.add_node_at:
+        events.append({"step": args.add_node_at, "rank": 0, "signal": "ADD_NODE", "hold_s": args.add_node_hold})
     events.sort(key=lambda e: e["step"])
     result: dict = {"events": events}
     try:
         harness.up()
         ray.init(address=harness.address, log_to_driver=True)
-        for _ in range(2):
+        for _ in range(args.nodes):
             harness.add_node()
         if args.remove_data_node_at:
             harness.add_data_node()
@@ -311,7 +335,7 @@ def _recovery(run_uri: str, events: list[dict], marker: str) -> list[dict]:
     out = []
     for i, e in enumerate(events):
         fired = f"{marker}.{i}"
-        if not os.path.exists(fired) or e["signal"] == "REMOVE_DATA_NODE":  # (no worker of the run is lost)
+        if not os.path.exists(fired) or e["signal"] in ("REMOVE_DATA_NODE", "ADD_NODE"):  # (no worker is lost)
             continue
         t = float(open(fired).read() or 0)
         after = [h for h in hist if h["time"] > t]

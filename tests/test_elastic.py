@@ -141,4 +141,30 @@ def test_waiting_below_min_ends_after_max_wait_for_capacity_with_exit_status_3(r
         train(cfg)
     assert err.value.exit_status == 3 and "below scaling.num_workers' MIN 5" in str(err.value)
     events = [json.loads(line) for line in (tmp_path / "waits" / "elastic.jsonl").read_text().splitlines()]
-    assert events[0]["event"] == "waiting" and events[0]["min"] == 5
+    assert [e["event"] for e in events] == ["submitted", "waiting", "ended"] and events[1]["min"] == 5
+    assert events[2]["ok"] is False and events[2]["time"] - events[1]["time"] >= 4
+
+
+@pytest.mark.slow
+def test_a_run_shrinks_when_a_node_is_lost_and_grows_back_with_the_losses_of_an_uninterrupted_run(s3_server, tiny_data,
+                                                                                                  tmp_path):
+    """Three worker nodes (a `trainer` slot each) and scaling.num_workers=[1, 3]: a node is lost for good at step 4
+    (no replacement), a node joins at step 9. The run goes 3 -> 2 -> 3 workers with run.max_failures=0 (the lost node
+    is a preemption, not a failure), trains every step once, on the batches of the uninterrupted 3-worker run, to
+    its losses (1e-5). The controller's events say what happened."""
+    from tests.test_chaos import TINY, _drill
+
+    res = _drill(tmp_path, "--data", str(tiny_data), "--storage", "s3://raytrain-test/elastic", "--steps", "14",
+                 "--every", "4", "--kills", "0", "--nodes", "3", "--lose-node-at", "4", "--add-node-at", "9",
+                 "--add-node-hold", "8", "--baseline", *TINY, "scaling.num_workers=[1,3]", "batch.global_batch_size=12",
+                 "run.max_failures=0", "scaling.resize_monitor_s=2", "scaling.grow_stable_s=2")
+    assert res["summary"]["steps"] == 14
+    assert sorted(map(int, res["chaos"])) == list(range(1, 15))
+    assert res["same_batches"], "a sample was skipped or repeated, or other rows trained"
+    assert res["max_loss_diff"] <= 1e-5
+    from raytrain.rundir import ATTEMPTS, ELASTIC, RunDir
+
+    run = RunDir("s3://raytrain-test/elastic/chaos")
+    assert [a["world_size"] for a in run.read_jsonl(ATTEMPTS)] == [3, 2, 3]
+    events = [(e["event"], e.get("workers")) for e in run.read_jsonl(ELASTIC)]
+    assert events == [("started", 3), ("lost_node", None), ("started", 2), ("grow", None), ("started", 3)], events

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+import time
 from typing import Callable, Optional
 
 from raytrain.internals.registry import gate
@@ -38,10 +39,11 @@ class Publisher:
 
 
 class Relay:
-    """Driver side: a thread that says each new event once and appends it to <run>/elastic.jsonl."""
+    """Driver side: a thread that says each new event once and appends it to <run>/elastic.jsonl, after the driver's
+    own `submitted` (when `raytrain train` was called) and before its `ended` (the goodput ledger's two ends)."""
 
-    def __init__(self, run_uri: str, say: Callable[[str], None], interval_s: float = 2.0):
-        self.run_uri, self.say, self.interval_s = run_uri, say, interval_s
+    def __init__(self, run_uri: str, say: Callable[[str], None], *, submitted: float, interval_s: float = 2.0):
+        self.run_uri, self.say, self.interval_s, self.submitted = run_uri, say, interval_s, submitted
         self.key, self.seen = key(run_uri), 0
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -67,11 +69,12 @@ class Relay:
                 pass
 
     def __enter__(self) -> "Relay":
+        RunDir(self.run_uri).append_jsonl(ELASTIC, {"event": "submitted", "time": round(self.submitted, 3)})
         self._thread = threading.Thread(target=self._run, name="raytrain-elastic-events", daemon=True)
         self._thread.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, kind, value, tb) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
@@ -80,6 +83,8 @@ class Relay:
             kv_del(self.key)
         except Exception:  # noqa: BLE001 - Ray already shut down: the store went with it
             pass
+        RunDir(self.run_uri).append_jsonl(ELASTIC, {"event": "ended", "time": round(time.time(), 3),
+                                                    "ok": kind is None})
 
 
 def describe(ev: dict) -> Optional[str]:

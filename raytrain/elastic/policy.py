@@ -19,8 +19,7 @@ def trainer_class(cfg: Config, trainer_cls: type, failure_config) -> tuple[type,
     if not gate(ELASTIC_POLICY):
         return trainer_cls, sizes[-1]
     s = cfg.scaling
-    per_worker = {"CPU": s.cpus_per_worker, **s.resources_per_worker, **({"GPU": s.gpus_per_worker} if s.use_gpu else {})}
-    make = functools.partial(build, sizes=sizes, per_worker=per_worker, monitor_s=s.resize_monitor_s,
+    make = functools.partial(build, sizes=sizes, per_worker=s.worker_resources, monitor_s=s.resize_monitor_s,
                              grow_stable_s=s.resize_monitor_s if s.grow_stable_s is None else s.grow_stable_s,
                              max_wait_s=cfg.run.max_wait_for_capacity, run_uri=cfg.run_uri)
     token = hashlib.sha1(cfg.run_uri.encode()).hexdigest()[:12]

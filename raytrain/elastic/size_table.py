@@ -20,11 +20,10 @@ def snapshot_bytes(cfg: Config, workers: int, n_params: int) -> int:
     return COPIES_PER_RANK * SNAPSHOT_BYTES_PER_PARAM * n_params // max(1, shards)
 
 
-def lines(cfg: Config, n_params: Optional[int] = None) -> list[str]:
-    """One line per usable size (a fixed size: its one line). Snapshot bytes only where the parameter count is known
-    (a vocabulary taken from the data is known once the data is read)."""
+def lines(cfg: Config, n_params: Optional[int] = None, per_node: int = 1) -> list[str]:
+    """One line per usable size (a fixed size: its one line), `per_node` ranks on a full node. Snapshot bytes only
+    where the parameter count is known (a vocabulary taken from the data is known once the data is read)."""
     s = cfg.scaling
-    per_node = 8 if s.use_gpu else 1  # the common GPU node (8 GPUs) and the CPU test nodes (1 rank each)
     head = (f"[raytrain] sizes of scaling.num_workers={s.num_workers}" if s.elastic else "[raytrain] size")
     out = [head + ": workers | micro-batch x accumulation | host snapshots per rank | per node of "
            f"{per_node} rank{'s' if per_node > 1 else ''}"]

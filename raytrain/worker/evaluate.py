@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from typing import Optional
 
 import numpy as np
@@ -61,9 +62,10 @@ class Evaluator:
         return _loss_ppl(self.sums(engine))
 
     def record(self, engine) -> dict:
-        """The figures of one evaluation, as the run log names them."""
+        """The figures of one evaluation, as the run log names them, and its seconds (the goodput ledger's)."""
+        t0 = time.perf_counter()
         loss, ppl = self(engine)
-        return {"val_loss": loss, "val_ppl": ppl}
+        return {"val_loss": loss, "val_ppl": ppl, "eval_s": round(time.perf_counter() - t0, 4)}
 
 
 def _loss_ppl(total: torch.Tensor) -> tuple[float, float]:
@@ -80,12 +82,14 @@ class MixtureEvaluator:
         self.parts = {name: Evaluator(data_cfg, split=Split.from_dict(d), **kw) for name, d in sources.items()}
 
     def record(self, engine) -> dict:
+        t0 = time.perf_counter()
         rec, pooled = {}, torch.zeros(2, dtype=torch.float64)
         for name, ev in self.parts.items():
             total = ev.sums(engine)
             pooled += total
             rec[f"val_loss/{name}"], rec[f"val_ppl/{name}"] = _loss_ppl(total)
         rec["val_loss"], rec["val_ppl"] = self.overall(engine) if self.overall else _loss_ppl(pooled)
+        rec["eval_s"] = round(time.perf_counter() - t0, 4)
         return rec
 
 

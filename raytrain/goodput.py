@@ -1,0 +1,170 @@
+"""The goodput ledger: every second of a run's wall time, from submission to its end, attributed to exactly one kind.
+
+Read after the fact from the run directory: the driver's and controller's events (elastic.jsonl: submitted,
+started, waiting, capacity_back, grow, lost_node, ended), each attempt's start-up phases and the controller's restart
+phases (attempts.jsonl), and the steps of the run's final timeline (metrics.jsonl, whose lines past a resumed step
+were dropped on resume). Kinds, after Google's ml-goodput-measurement:
+
+- `productive`: steps that count (the optimizer's work on batches that stayed in the run's timeline);
+- `redone`: steps trained past the checkpoint the next attempt resumed from, thrown away;
+- `data_wait`, `checkpoint_stall`, `evaluation`: inside an attempt's training, time the loop waited for its rows,
+  stood still for a checkpoint (an async upload beside training is not badput: only the stall counts), validated;
+- `start/...`, `restart/...`, `resize/...`: from submission (or a fault, or a decision to grow) to the next first
+  step, by phase: `driver` (checks before Ray Train starts), `detect` (the last step to the controller seeing the
+  fault), `teardown`, `schedule` (placing the new group), `workers` (Ray's worker processes), `restore` (finding,
+  fetching and converting the checkpoint or snapshot, loading it), `setup` (imports, model, engine), `first_step`;
+- `waiting`: below an elastic run's MIN, waiting for nodes;
+- `finish`: after the last step (the final checkpoint's upload, shutdown);
+- `not_running`: between the end of one submission of the run and the next;
+- `other`: what none of the above covers (the loop's own work between steps, clock gaps).
+Precedence where activities overlap: waiting, then the restart phases, then evaluation, checkpoint stall, data wait,
+redone and productive steps. Seconds are wall seconds of the run, not node-seconds.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from raytrain.rundir import ATTEMPTS, ELASTIC, METRICS, RunDir
+
+STEP_KINDS = ("productive", "redone", "data_wait", "checkpoint_stall", "evaluation")
+GAP_PHASES = ("detect", "teardown", "schedule", "workers", "setup", "restore", "first_step")
+
+
+def ledger(run_uri: str) -> Optional[dict[str, Any]]:
+    """The run's ledger ({"wall_s", "seconds": {kind: s}, "attempts": [...], "sizes": [(time, workers)], ...}); None
+    for a run with no submission event (trained before the ledger existed)."""
+    rd = RunDir(run_uri)
+    events = rd.read_jsonl(ELASTIC)
+    attempts = rd.read_jsonl(ATTEMPTS)
+    steps = [r for r in rd.read_jsonl(METRICS) if "loss" in r or "val_loss" in r or "checkpoint" in r]
+    submitted = next((e["time"] for e in events if e.get("event") == "submitted"), None)
+    if submitted is None or not attempts:
+        return None
+    ended = next((e["time"] for e in reversed(events) if e.get("event") == "ended"), None)
+    t_end = ended or max([submitted] + [r["time"] for r in steps] + [a.get("first_step_time", 0) for a in attempts])
+    sec: dict[str, float] = {}
+    per_attempt = []
+    waits = _waits(events, t_end)
+    grows = [e["time"] for e in events if e.get("event") == "grow"]
+    submissions = sorted(e["time"] for e in events if e.get("event") == "submitted")
+    prev_end, prev_step = submitted, 0
+    for i, a in enumerate(attempts):
+        nxt = attempts[i + 1] if i + 1 < len(attempts) else None
+        first_end = a.get("first_step_time", a["time"])
+        sub = max((t for t in submissions if t <= a["time"]), default=submitted)
+        fresh = i == 0 or sub > prev_end  # this attempt opens a submission (the run was not running before it)
+        if fresh and sub > prev_end:
+            sec["not_running"] = sec.get("not_running", 0.0) + sub - prev_end
+        kind = "start" if fresh else ("resize" if any(prev_end - 1 <= g <= first_end for g in grows) else "restart")
+        gap = _gap(a, sub if fresh else prev_end, first_end, first=fresh)
+        _add_gap(sec, kind, gap, waits)
+        end = _attempt_end(a, nxt, t_end, [r["time"] for r in steps if r["time"] >= first_end - 1e-3])
+        mine = [r for r in steps if first_end - 1e-3 <= r["time"] <= end + 1e-3]
+        kinds = _training(mine, first_end, end, nxt, resumed=int(a.get("resumed_step") or 0))
+        for k, v in kinds.items():
+            sec[k] = sec.get(k, 0.0) + v
+        per_attempt.append({"attempt": a.get("attempt", i), "world_size": a.get("world_size"),
+                            "resumed_step": a.get("resumed_step"), "start": round(sub if fresh else prev_end, 3),
+                            "first_step": round(first_end, 3), "end": round(end, 3), "kind": kind,
+                            "gap_s": round(sum(d for _, d in gap), 3),
+                            **{k: round(v, 3) for k, v in kinds.items()}})
+        prev_end = end
+    if t_end > prev_end:
+        sec["finish"] = sec.get("finish", 0.0) + t_end - prev_end
+    wall = t_end - submitted
+    sec["other"] = max(0.0, wall - sum(sec.values()))
+    good = sec.get("productive", 0.0)
+    return {"wall_s": round(wall, 3), "submitted": submitted, "ended": t_end,
+            "seconds": {k: round(v, 3) for k, v in sorted(sec.items(), key=lambda kv: -kv[1])},
+            "goodput": round(good / wall, 4) if wall > 0 else None, "attempts": per_attempt,
+            "sizes": [(p["first_step"], p["world_size"]) for p in per_attempt]}
+
+
+def _waits(events: list[dict], t_end: float) -> list[tuple[float, float]]:
+    """Intervals below MIN: from each `waiting` to the next `capacity_back` (or the end)."""
+    out, since = [], None
+    for e in events:
+        if e.get("event") == "waiting" and since is None:
+            since = e["time"]
+        elif e.get("event") == "capacity_back" and since is not None:
+            out.append((since, e["time"]))
+            since = None
+    if since is not None:
+        out.append((since, t_end))
+    return out
+
+
+def _gap(a: dict, since: float, first_end: float, *, first: bool) -> list[tuple[str, float]]:
+    """The phases from `since` (submission, or the previous attempt's last step) to this attempt's first step's end:
+    [(phase, seconds)], in order, each clipped to the gap."""
+    ctl = a.get("controller") or {}
+    boot = {k: a["time"] + v for k, v in (a.get("startup_s") or {}).items()}
+    marks = [("detect" if not first else "driver", ctl.get("fault_detected") if not first else ctl.get("group_starting")),
+             ("teardown", ctl.get("group_torn_down")), ("schedule", ctl.get("group_starting")),
+             ("workers", a["time"]), ("restore", boot.get("resume_point")),  # finding, fetching, converting it
+             ("setup", boot.get("engine")), ("restore", boot.get("restore")), ("first_step", first_end)]
+    out, t = [], since
+    for phase, until in marks:
+        if until is None:
+            continue
+        until = min(max(until, t), first_end)
+        out.append((phase, until - t))
+        t = until
+    return out
+
+
+def _add_gap(sec: dict, kind: str, gap: list[tuple[str, float]], waits: list[tuple[float, float]]) -> None:
+    """A start / restart / resize gap into the ledger; the part of its schedule phase spent below MIN is waiting."""
+    for phase, d in gap:
+        if phase == "schedule" and waits:
+            w = min(d, sum(b - a for a, b in waits))  # (the waits of a run are inside its schedule phases)
+            sec["waiting"] = sec.get("waiting", 0.0) + w
+            waits[:] = []  # counted once
+            d -= w
+        sec[f"{kind}/{phase}"] = sec.get(f"{kind}/{phase}", 0.0) + d
+
+
+def _attempt_end(a: dict, nxt: Optional[dict], t_end: float, later: list[float]) -> float:
+    """When an attempt stopped training: its last step (the next attempt's record of it); the last attempt's, its last
+    record (`later`: the record times from its first step on); else the run's end."""
+    if nxt is None:
+        return min(max(later, default=t_end), t_end)
+    beat = nxt.get("previous_progress") or {}
+    if beat.get("step_time") and beat.get("time", 0) >= a["time"]:  # this attempt's own beat
+        return float(beat["step_time"])
+    return float(nxt.get("controller", {}).get("fault_detected") or nxt.get("time") or t_end)
+
+
+def _training(mine: list[dict], first_end: float, end: float, nxt: Optional[dict], *, resumed: int) -> dict[str, float]:
+    """An attempt's training window split into kinds: its kept steps by phase (its first step belongs to the start's
+    `first_step` phase; a record stands for the steps since the previous one, its figures being that window's means),
+    evaluations, and the steps the next attempt redid (from its last kept step to its end)."""
+    out = {k: 0.0 for k in STEP_KINDS}
+    last_kept, last_step = first_end, resumed + 1
+    for r in mine:
+        if "loss" in r and r["time"] > first_end + 1e-3:
+            n = max(1, int(r["step"]) - last_step)
+            last_step = int(r["step"])
+            d = float(r.get("step_time_s") or 0.0) * n
+            wait = float(r.get("phase_data_wait_s") or 0.0) * n
+            stall = float(r.get("phase_checkpoint_stall_s") or 0.0) * n
+            out["data_wait"] += wait
+            out["checkpoint_stall"] += stall
+            out["productive"] += max(0.0, d - wait - stall)
+        out["evaluation"] += float(r.get("eval_s") or 0.0)
+        last_kept = max(last_kept, r["time"])
+    if nxt is not None:
+        out["redone"] += max(0.0, end - last_kept)
+    return out
+
+
+def format_ledger(g: dict) -> str:
+    """The ledger as lines a person reads."""
+    wall = g["wall_s"]
+    lines = [f"goodput {g['goodput']:.1%} of {wall:,.1f} s wall time ({len(g['attempts'])} attempt(s), sizes "
+             + " -> ".join(str(a["world_size"]) for a in g["attempts"]) + ")"]
+    for k, v in g["seconds"].items():
+        if v > 0:
+            lines.append(f"  {k:22} {v:>10.1f} s  {v / wall:6.1%}" if wall else f"  {k:22} {v:>10.1f} s")
+    return "\n".join(lines)
