@@ -46,7 +46,6 @@ def ledger(run_uri: str) -> Optional[dict[str, Any]]:
     sec: dict[str, float] = {}
     per_attempt = []
     waits = _waits(events, t_end)
-    grows = [e["time"] for e in events if e.get("event") == "grow"]
     submissions = sorted(e["time"] for e in events if e.get("event") == "submitted")
     prev_end, prev_step = submitted, 0
     for i, a in enumerate(attempts):
@@ -56,7 +55,7 @@ def ledger(run_uri: str) -> Optional[dict[str, Any]]:
         fresh = i == 0 or sub > prev_end  # this attempt opens a submission (the run was not running before it)
         if fresh and sub > prev_end:
             sec["not_running"] = sec.get("not_running", 0.0) + sub - prev_end
-        kind = "start" if fresh else ("resize" if any(prev_end - 1 <= g <= first_end for g in grows) else "restart")
+        kind = "start" if fresh else _why(events, prev_end, (a.get("controller") or {}).get("group_starting") or a["time"])
         gap = _gap(a, sub if fresh else prev_end, first_end, first=fresh)
         _add_gap(sec, kind, gap, waits)
         end = _attempt_end(a, nxt, t_end, [r["time"] for r in steps if r["time"] >= first_end - 1e-3])
@@ -79,6 +78,13 @@ def ledger(run_uri: str) -> Optional[dict[str, Any]]:
             "seconds": {k: round(v, 3) for k, v in sorted(sec.items(), key=lambda kv: -kv[1])},
             "goodput": round(good / wall, 4) if wall > 0 else None, "attempts": per_attempt,
             "sizes": [(p["first_step"], p["world_size"]) for p in per_attempt]}
+
+
+def _why(events: list[dict], since: float, until: float) -> str:
+    """Why a new group started between the previous one's last step and its own start: a worker lost (restart) wins
+    over a decision to grow (resize)."""
+    seen = {e.get("event") for e in events if since - 1 <= e["time"] <= until}
+    return "resize" if "grow" in seen and "lost_node" not in seen else "restart"
 
 
 def _waits(events: list[dict], t_end: float) -> list[tuple[float, float]]:

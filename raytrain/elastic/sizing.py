@@ -48,6 +48,7 @@ class Sizing:
     pause: Callable[[float], None] = time.sleep
     group_nodes: set = field(default_factory=set)  # nodes of the newest worker group
     first_seen: dict = field(default_factory=dict)  # node id -> when this controller first saw it alive
+    gone: set = field(default_factory=set)  # nodes found lost: never counted again (a node id is one raylet's life)
     waiting_since: Optional[float] = None
     last_look: float = float("-inf")
     _seeded: bool = False
@@ -60,7 +61,9 @@ class Sizing:
     def _look(self) -> list[Node]:
         """Alive, not draining; node first-seen times kept (nodes there at the run's start count as stable)."""
         now = self.clock()
-        nodes = [n for n in self.nodes() if not n.draining]
+        # A node found lost stays out even while Ray still lists it alive (until its health checks fail): else the
+        # next look to grow would count it and restart the group onto a node that is not there.
+        nodes = [n for n in self.nodes() if not n.draining and n.id not in self.gone]
         for n in nodes:
             self.first_seen.setdefault(n.id, float("-inf") if not self._seeded else now)
         self._seeded = True
@@ -85,6 +88,7 @@ class Sizing:
             with ThreadPoolExecutor(max_workers=min(32, len(ask))) as pool:
                 answers = list(pool.map(lambda n: self.reachable(n.address), ask))
             gone |= {n.id for n, ok in zip(ask, answers) if not ok}
+        self.gone |= gone
         return gone
 
     # --- decisions ---------------------------------------------------------------------------------------------
