@@ -181,3 +181,18 @@ def test_a_run_shrinks_when_a_node_is_lost_and_grows_back_with_the_losses_of_an_
     assert [a["kind"] for a in g["attempts"]] == ["start", "restart", "resize"]
     assert [a["world_size"] for a in g["attempts"]] == [3, 2, 3]
     assert g["seconds"]["productive"] > 0 and g["seconds"]["restart/workers"] > 0 and g["seconds"]["resize/restore"] > 0
+
+
+def test_the_cli_exits_3_with_one_line_when_a_run_waited_too_long(monkeypatch, capsys):
+    import raytrain.commands.config as command
+    from raytrain.cli import main
+
+    def waited(args):
+        raise CapacityTimeout("waited 600 s (run.max_wait_for_capacity=600) with room for 1 worker(s), below "
+                              "scaling.num_workers' MIN 2; the run's checkpoints are kept: submit it again when "
+                              "capacity returns")
+
+    monkeypatch.setattr(command, "run", waited)
+    assert main(["config"]) == 3
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("raytrain: error: waited 600 s"), err

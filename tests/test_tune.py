@@ -50,6 +50,12 @@ def test_bad_tune_config_names_the_key(tiny_data, override, needle):
         load_spec("tune_configs/lr_warmup_asha.yaml", [*_data(tiny_data), override])
 
 
+def test_a_sweep_refuses_a_range_of_workers(tiny_data):
+    with pytest.raises(UserError, match=r"trials run at one size: set scaling.num_workers to one number"):
+        load_spec("tune_configs/lr_warmup_asha.yaml", [*_data(tiny_data), "trial_overrides.scaling.num_workers=[1,2]",
+                                                       "trial_overrides.batch.global_batch_size=16"])
+
+
 def test_cli_bad_tune_config_is_one_line(tiny_data):
     # A fresh process, as a user runs it: in this one, the session's Ray cluster forwards other tests' worker
     # logs to stderr at any moment, so capturing stderr here would not show what the user sees.

@@ -210,6 +210,10 @@ def check(spec: SweepSpec) -> None:
                 raise UserError(f"{where}: {e}") from None
     base = base_config(spec)
     probe = trial_config(spec, {})
+    if probe.scaling.elastic:
+        # Trials are packed on the cluster by their size, and a throughput sweep compares trials at one size.
+        raise UserError(f"a sweep's trials run at one size: set scaling.num_workers to one number (the trials' config "
+                        f"has the range {probe.scaling.num_workers})")
     m = spec.search.method
     if m == "microbatch":
         if spec.space:
