@@ -67,6 +67,7 @@ def ledger(run_uri: str) -> Optional[dict[str, Any]]:
                             "resumed_step": a.get("resumed_step"), "start": round(sub if fresh else prev_end, 3),
                             "first_step": round(first_end, 3), "end": round(end, 3), "kind": kind,
                             "gap_s": round(sum(d for _, d in gap), 3),
+                            "steps": _steps_after_first(mine, first_end, int(a.get("resumed_step") or 0)),
                             **{k: round(v, 3) for k, v in kinds.items()}})
         prev_end = end
     if t_end > prev_end:
@@ -78,6 +79,12 @@ def ledger(run_uri: str) -> Optional[dict[str, Any]]:
             "seconds": {k: round(v, 3) for k, v in sorted(sec.items(), key=lambda kv: -kv[1])},
             "goodput": round(good / wall, 4) if wall > 0 else None, "attempts": per_attempt,
             "sizes": [(p["first_step"], p["world_size"]) for p in per_attempt]}
+
+
+def _steps_after_first(mine: list[dict], first_end: float, resumed: int) -> int:
+    """Steps an attempt kept after its first (those its productive seconds are of)."""
+    last = max((int(r["step"]) for r in mine if "loss" in r and r["time"] > first_end + 1e-3), default=resumed + 1)
+    return max(0, last - resumed - 1)
 
 
 def _why(events: list[dict], since: float, until: float) -> str:

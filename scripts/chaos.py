@@ -112,6 +112,19 @@ class Harness:
                 return next(int(r.rsplit("_", 1)[1]) for r in n["Resources"] if r.startswith("chaos_node_"))
         raise KeyError(node_id)
 
+    def drain_node(self, k: int, deadline_s: float, node_id: str | None = None) -> None:
+        """A spot interruption notice: Ray drains node k for preemption with a deadline; the node goes then."""
+        import ray
+        from ray.core.generated import autoscaler_pb2
+
+        if node_id is None:
+            node_id = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and f"chaos_node_{k}" in n["Resources"])
+        gcs = ray._raylet.GcsClient(address=self.address)
+        deadline_ms = int((time.time() + deadline_s) * 1000)
+        gcs.drain_node(node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+                       "chaos drill: spot interruption notice", deadline_ms)
+        threading.Timer(deadline_s + 1, self.kill_node, args=(k,)).start()
+
     def kill_node(self, k: int) -> None:
         """The node disappears at once: raylet and every process on it."""
         self._kill(self.nodes[k])
@@ -160,14 +173,7 @@ class Harness:
         else:
             # The notice first, then the replacement: a node joining takes tens of seconds on a loaded
             # machine, and a notice that late found the run already past the drained step.
-            import ray
-            from ray.core.generated import autoscaler_pb2
-
-            gcs = ray._raylet.GcsClient(address=self.address)
-            deadline_ms = int((time.time() + self.deadline_s) * 1000)
-            gcs.drain_node(ev["node_id"], autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
-                           "chaos drill: spot interruption notice", deadline_ms)
-            threading.Timer(self.deadline_s + 1, self.kill_node, args=(k,)).start()
+            self.drain_node(k, self.deadline_s, node_id=ev["node_id"])
             open(req[:-len(".request")] + ".ack", "w").close()
             self.add_node()
         self.log.append({"action": ev["action"], "node_id": ev["node_id"], "time": t})

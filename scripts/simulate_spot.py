@@ -11,12 +11,22 @@ Prints a Markdown table (means over --trials runs) - the one in docs/CLUSTERS.md
 
     python scripts/simulate_spot.py --work-hours 24 --workers 8 --rate-per-node-hour 0.05 --ckpt-seconds 60
     python scripts/simulate_spot.py --trace interruptions.csv    # one column: hours since start
+
+With --capacity it models instead a run over a capacity trace in the format of the public spot traces
+({"metadata": {"gap_seconds"}, "data": [nodes per tick]}, the format of scripts/spot_replay.py): an elastic run
+(--workers-range MIN MAX, sizes that divide --global-batch) and a fixed one at MAX, each step, restart and resize
+costing what --calibrate measured in a replay (spot_replay.py --out JSON: seconds per step at each size, seconds of a
+start, a restart after a lost node and a resize). Weeks of a trace take seconds:
+
+    python scripts/simulate_spot.py --capacity trace.json --calibrate replay.json --workers-range 1 4 \
+        --global-batch 24 --every 20 --tick-s 15
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import json
 import math
 import random
 import sys
@@ -66,6 +76,104 @@ def simulate(work_s: float, interval_s: float, ckpt_s: float, restart_s: float, 
     return t, lost, hits
 
 
+def calibration(path: str) -> dict:
+    """Seconds per step at each size and seconds of a start, restart and resize, from spot_replay.py's output (its
+    elastic run's goodput ledger: productive seconds and steps of each attempt, the gaps before first steps)."""
+    with open(path) as f:
+        replay = json.load(f)
+    g = next(r for r in replay["runs"] if r["label"] == "elastic")["ledger"]
+    per_size: dict[int, list[float]] = {}
+    gaps: dict[str, list[float]] = {}
+    for a in g["attempts"]:
+        if a.get("steps"):
+            per_size.setdefault(int(a["world_size"]), []).append(
+                (a["productive"] + a["data_wait"] + a["checkpoint_stall"]) / a["steps"])
+        gaps.setdefault(a["kind"], []).append(a["gap_s"])
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    restart = mean(gaps.get("restart") or gaps["start"])
+    return {"step_s": {n: mean(v) for n, v in per_size.items()}, "start_s": mean(gaps["start"]),
+            "restart_s": restart, "resize_s": mean(gaps.get("resize") or [restart])}
+
+
+def step_seconds(cal: dict, n: int) -> float:
+    """Seconds per step at size n: measured, else scaled from the nearest measured size as compute / n."""
+    if n in cal["step_s"]:
+        return cal["step_s"][n]
+    near = min(cal["step_s"], key=lambda m: abs(m - n))
+    return cal["step_s"][near] * near / n
+
+
+def capacity_run(ticks: list[int], tick_s: float, sizes: list[int], cal: dict, *, every: int,
+                 notice_every: int, grow_after_s: float) -> dict:
+    """Steps an elastic run with these usable sizes (one size: a fixed run) trains over a capacity trace: it trains
+    at the largest usable size the nodes hold, restarts (restart_s) when nodes leave, redoing the steps since its last
+    checkpoint unless the loss came with a notice (every notice_every-th), grows (resize_s, from the last checkpoint)
+    onto nodes that stayed grow_after_s, and waits below its smallest size."""
+    t, steps, ckpt, size, removed = 0.0, 0.0, 0, 0, 0
+    busy_until = cal["start_s"]
+    grow_at = None
+    out = {"restarts": 0, "resizes": 0, "redone": 0.0, "waiting_s": 0.0}
+    end = len(ticks) * tick_s
+    while t < end:
+        cap = ticks[min(int(t // tick_s), len(ticks) - 1)]
+        fit = max((n for n in sizes if n <= cap), default=0)
+        nxt = min(end, (int(t // tick_s) + 1) * tick_s)
+        if fit < size:  # nodes left: a restart at the smaller size (or a wait)
+            removed += size - fit
+            if not (notice_every and removed % notice_every == 0):
+                out["redone"] += steps - ckpt
+                steps = float(ckpt)
+            ckpt = int(steps)
+            size, grow_at = fit, None
+            out["restarts"] += 1
+            busy_until = t + cal["restart_s"]
+        elif fit > size:
+            if size == 0:  # capacity back after a wait: a start
+                size, busy_until = fit, t + cal["restart_s"]
+            elif grow_at is None:
+                grow_at = t + grow_after_s
+            elif t >= grow_at:
+                out["redone"] += steps - ckpt
+                steps, size, grow_at = float(ckpt), fit, None
+                out["resizes"] += 1
+                busy_until = t + cal["resize_s"]
+                nxt = min(nxt, busy_until)
+        if grow_at is not None and grow_at < nxt:
+            nxt = max(t + 1e-6, grow_at)
+        if size == 0:
+            out["waiting_s"] += nxt - t
+        elif nxt > busy_until:
+            start = max(t, busy_until)
+            steps += (nxt - start) / step_seconds(cal, size)
+            ckpt = max(ckpt, int(steps) // every * every)
+        t = nxt
+    return {**out, "steps": int(steps)}
+
+
+def capacity_main(a) -> int:
+    with open(a.capacity) as f:
+        trace = json.load(f)
+    ticks = [int(v) for v in trace["data"]]
+    if a.segment:
+        lo, hi = (int(x) if x else None for x in a.segment.split(":"))
+        ticks = ticks[lo:hi]
+    lo_n, hi_n = a.workers_range
+    ticks = [min(v, hi_n) for v in ticks]
+    cal = calibration(a.calibrate)
+    sizes = [n for n in range(lo_n, hi_n + 1) if a.global_batch % n == 0]
+    grow_after = a.grow_after_s if a.grow_after_s is not None else a.tick_s
+    print(f"capacity trace {a.capacity} ({len(ticks)} ticks of {a.tick_s:g} s), sizes {sizes}, calibrated on "
+          f"{a.calibrate}: step s {', '.join(f'{n}: {s:.3f}' for n, s in sorted(cal['step_s'].items()))}, "
+          f"start {cal['start_s']:.1f} s, restart {cal['restart_s']:.1f} s, resize {cal['resize_s']:.1f} s")
+    print("| run | steps | restarts | resizes | steps redone | waiting (s) |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name, usable in (("elastic", sizes), ("fixed", [hi_n])):
+        r = capacity_run(ticks, a.tick_s, usable, cal, every=a.every, notice_every=a.notice_every,
+                         grow_after_s=grow_after)
+        print(f"| {name} | {r['steps']} | {r['restarts']} | {r['resizes']} | {r['redone']:.0f} | {r['waiting_s']:.0f} |")
+    return 0
+
+
 def poisson(rate_per_s: float, horizon_s: float, rng: random.Random) -> list[float]:
     out, t = [], 0.0
     while rate_per_s > 0:
@@ -91,7 +199,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head-per-hour", type=float, default=0.384, help="USD per head-hour (on-demand)")
     ap.add_argument("--trials", type=int, default=200)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--capacity", help="capacity trace JSON (spot-traces format): model elastic vs fixed runs on it")
+    ap.add_argument("--calibrate", help="--capacity: spot_replay.py --out JSON to take step and restart seconds from")
+    ap.add_argument("--segment", default=None, help="--capacity: ticks START:END")
+    ap.add_argument("--tick-s", type=float, default=300.0, help="--capacity: seconds per tick (a replay's --tick-s)")
+    ap.add_argument("--workers-range", type=int, nargs=2, default=[1, 4], metavar=("MIN", "MAX"))
+    ap.add_argument("--global-batch", type=int, default=24, help="--capacity: usable sizes divide it")
+    ap.add_argument("--every", type=int, default=20, help="--capacity: checkpoint.every_n_steps")
+    ap.add_argument("--notice-every", type=int, default=2, help="--capacity: every k-th node lost comes with a notice")
+    ap.add_argument("--grow-after-s", type=float, default=None, help="--capacity: a node counts for growing after "
+                    "this long (scaling.grow_stable_s plus up to one resize_monitor_s); default: one tick")
     a = ap.parse_args(argv)
+    if a.capacity:
+        if not a.calibrate:
+            raise SystemExit("simulate_spot: --capacity needs --calibrate REPLAY.json (scripts/spot_replay.py --out)")
+        return capacity_main(a)
 
     work_s, c, r = a.work_hours * 3600, a.ckpt_seconds, a.restart_seconds
     rate = a.workers * a.rate_per_node_hour / 3600  # per second, for the whole job
