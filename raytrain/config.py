@@ -212,6 +212,7 @@ class ScalingSection(Section):
     address: Optional[str] = Field(None, description="Ray cluster address; null: RAY_ADDRESS if set, else a new local Ray instance")
     resize_monitor_s: float = Field(30.0, gt=0, description="elastic runs: how often a running group looks for capacity to grow into")
     grow_stable_s: Optional[float] = Field(None, ge=0, description="elastic runs: a node counts toward growing only once it has been alive this long, so a node that comes and goes costs at most one restart; null: resize_monitor_s")
+    resize_wait_s: float = Field(60.0, ge=0, description="elastic runs: before growing, the controller asks the ranks for a checkpoint at their next step and waits this long for it (a step, a checkpoint's save and commit); without it in time the group grows from the newest checkpoint")
 
     @field_validator("num_workers", mode="before")
     @classmethod

@@ -135,6 +135,23 @@ def test_a_node_counts_toward_growing_only_once_it_stayed_grow_stable_s():
     assert s.grow_size(2) == 3 and c.events[-1] == {"event": "grow", "time": c.now, "from": 2, "to": 3}
 
 
+def test_a_grow_asks_for_a_checkpoint_first_and_only_a_grow_does():
+    c = Cluster(2)
+    asked = []
+    s = c.sizing([1, 2, 3], monitor_s=1.0, grow_stable_s=1.0, ask_checkpoint=lambda: asked.append(c.now) or 17)
+    assert s.start_size() == 2
+    s.before_resize()  # the first start: nothing to ask
+    c.nodes["n5"] = Node("n5", dict(TRAINER), ("127.0.0.1", 1995))
+    c.now += 1
+    assert s.grow_size(2) is None
+    c.now += 1
+    assert s.grow_size(2) == 3
+    s.before_resize()
+    assert asked == [c.now] and c.events[-1]["event"] == "grow_checkpoint" and c.events[-1]["step"] == 17
+    s.before_resize()  # a restart after a failure, say: not a grow
+    assert len(asked) == 1
+
+
 # --- on a real cluster --------------------------------------------------------------------------------------------
 def test_waiting_below_min_ends_after_max_wait_for_capacity_with_exit_status_3(ray_cluster, tiny_data, tmp_path):
     """The session cluster has 4 CPUs: a run whose MIN needs 5 workers of 1 CPU waits, then ends with its line."""
@@ -171,9 +188,13 @@ def test_a_run_shrinks_when_a_node_is_lost_and_grows_back_with_the_losses_of_an_
     assert [a["world_size"] for a in run.read_jsonl(ATTEMPTS)] == [3, 2, 3]
     events = [(e["event"], e.get("workers")) for e in run.read_jsonl(ELASTIC)]
     # (A grow whose new group fails to start, on a loaded machine, is retried: "grow" may repeat.)
-    assert [e for e in events if e[0] != "grow"] == [("submitted", None), ("started", 3), ("lost_node", None),
-                                                     ("started", 2), ("started", 3), ("ended", None)], events
+    assert [e for e in events if e[0] not in ("grow", "grow_checkpoint")] == [
+        ("submitted", None), ("started", 3), ("lost_node", None), ("started", 2), ("started", 3), ("ended", None)], events
     assert events.index(("grow", None)) == 4, events
+    # Growing redoes no step: the ranks checkpointed at their next step boundary and the new group resumed there.
+    asked = [e for e in run.read_jsonl(ELASTIC) if e["event"] == "grow_checkpoint"]
+    assert asked[0]["step"] is not None and asked[0]["step"] >= 9, asked
+    assert run.read_jsonl(ATTEMPTS)[-1]["resumed_step"] == asked[0]["step"]
     # The ledger: every second of the wall time once, the start, the restart after the lost node and the resize apart.
     g = run.read_json(GOODPUT)
     assert abs(sum(g["seconds"].values()) - g["wall_s"]) <= 0.01 * g["wall_s"]

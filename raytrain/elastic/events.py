@@ -97,6 +97,9 @@ def describe(ev: dict) -> Optional[str]:
         return f"[raytrain] capacity back after {ev['waited_s']:.0f} s: starting {ev['workers']} workers"
     if kind == "grow":
         return f"[raytrain] growing {ev['from']} -> {ev['to']} workers (nodes joined)"
+    if kind == "grow_checkpoint":
+        got = f"checkpoint at step {ev['step']}" if ev.get("step") is not None else "no checkpoint in time (the newest)"
+        return f"[raytrain] before growing: {got}, after {ev['waited_s']:.1f} s"
     if kind == "started":
         return f"[raytrain] worker group up: {ev['workers']} workers"
     if kind == "lost_node":

@@ -21,7 +21,8 @@ def trainer_class(cfg: Config, trainer_cls: type, failure_config) -> tuple[type,
     s = cfg.scaling
     make = functools.partial(build, sizes=sizes, per_worker=s.worker_resources, monitor_s=s.resize_monitor_s,
                              grow_stable_s=s.resize_monitor_s if s.grow_stable_s is None else s.grow_stable_s,
-                             max_wait_s=cfg.run.max_wait_for_capacity, run_uri=cfg.run_uri)
+                             max_wait_s=cfg.run.max_wait_for_capacity, resize_wait_s=s.resize_wait_s,
+                             run_uri=cfg.run_uri)
     token = hashlib.sha1(cfg.run_uri.encode()).hexdigest()[:12]
     return elastic_trainer(trainer_cls, make, failure_config, token), \
         (sizes[0] if len(sizes) == 1 else (sizes[0], sizes[-1]))

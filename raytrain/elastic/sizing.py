@@ -44,12 +44,14 @@ class Sizing:
     nodes: Callable[[], list[Node]]  # the cluster now
     reachable: Callable[[tuple[str, int]], bool] = None  # a raylet answers
     publish: Callable[[dict], None] = lambda event: None  # an event for the driver (raytrain/elastic/events.py)
+    ask_checkpoint: Callable[[], Optional[int]] = lambda: None  # before a grow (raytrain/elastic/resize_request.py)
     clock: Callable[[], float] = time.time
     pause: Callable[[float], None] = time.sleep
     group_nodes: set = field(default_factory=set)  # nodes of the newest worker group
     first_seen: dict = field(default_factory=dict)  # node id -> when this controller first saw it alive
     gone: set = field(default_factory=set)  # nodes found lost: never counted again (a node id is one raylet's life)
     waiting_since: Optional[float] = None
+    growing: bool = False  # a grow was decided and its group not yet restarted
     last_look: float = float("-inf")
     _seeded: bool = False
 
@@ -129,8 +131,20 @@ class Sizing:
         size = self._usable(self._fits(stable))
         if size is not None and size > current:
             self.publish({"event": "grow", "time": round(now, 3), "from": current, "to": size})
+            self.growing = True
             return size
         return None
+
+    def before_resize(self) -> None:
+        """Right before the controller restarts the group for a grow: a checkpoint at the ranks' next step boundary,
+        waited for (so the new group redoes no step); without one in time, the group grows from the newest."""
+        if not self.growing:
+            return
+        self.growing = False
+        t0 = self.clock()
+        step = self.ask_checkpoint()
+        self.publish({"event": "grow_checkpoint", "time": round(self.clock(), 3), "step": step,
+                      "waited_s": round(self.clock() - t0, 3)})
 
     def started(self, node_ids: Iterable[str], workers: int) -> None:
         """A worker group of `workers` is up on these nodes."""
@@ -169,10 +183,12 @@ def cluster_nodes(draining: Callable[[], set]) -> list[Node]:
 
 
 def build(*, sizes: list[int], per_worker: dict, monitor_s: float, grow_stable_s: float, max_wait_s: Optional[float],
-          run_uri: str) -> Sizing:
+          resize_wait_s: float, run_uri: str) -> Sizing:
     """A run's Sizing, made inside the Train controller (this function travels there by name, its arguments by value)."""
+    from raytrain.elastic import resize_request
     from raytrain.elastic.events import Publisher
     from raytrain.internals.ray import draining_nodes
 
     return Sizing(sizes=sizes, per_worker=per_worker, monitor_s=monitor_s, grow_stable_s=grow_stable_s,
-                  max_wait_s=max_wait_s, nodes=lambda: cluster_nodes(draining_nodes), publish=Publisher(run_uri))
+                  max_wait_s=max_wait_s, nodes=lambda: cluster_nodes(draining_nodes), publish=Publisher(run_uri),
+                  ask_checkpoint=lambda: resize_request.ask(run_uri, resize_wait_s))

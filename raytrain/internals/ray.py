@@ -237,6 +237,12 @@ def elastic_trainer(trainer_cls: type, make_sizing, failure_config, token: str) 
                 n = self.scaling_config.max_workers
             return NoopDecision() if n is None else self._resize(n)
 
+        def before_controller_execute_resize_decision(self, decision) -> None:
+            try:
+                sizing().before_resize()  # a grow: the ranks checkpoint first (waits at most scaling.resize_wait_s)
+            except Exception as e:  # noqa: BLE001 - the resize goes ahead from the newest checkpoint
+                fell_back(ELASTIC_POLICY, e)
+
         def make_decision_for_running_worker_group(self, worker_group_state, worker_group_status):
             self._maybe_send_resource_request()
             try:

@@ -65,7 +65,7 @@ class WorkerRun:
         import ray.train
         import ray.train.torch
 
-        self.t_start = time.time()
+        self.t_start = t0 = time.time()
         host_heap.start()  # start-up's full-size blocks go back to the OS when freed, until the first step is done
         ctx = ray.train.get_context()
         rank, world = self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
@@ -129,7 +129,7 @@ class WorkerRun:
         # What this attempt's snapshots carry (the first attempt's start is its own, as attempts.jsonl will say).
         self.run_records = {"run_started": started if started is not None else round(self.t_start, 3),
                             "attempts": earlier_attempts}
-        self.notice = PreemptionNotice(rank, enabled=cfg.checkpoint.on_preemption)
+        self.notice = PreemptionNotice(rank, enabled=cfg.checkpoint.on_preemption, run_uri=cfg.run_uri, since=t0)
         self.agreement = StepAgreement(notice=self.notice, cadence=self.cadence, rank=rank, world=world,
                                        device=self.device, snapshots=self.memory.interval,
                                        copies=world // self.dp_size, accumulation=cfg.accumulation)
@@ -234,7 +234,7 @@ class WorkerRun:
         """Log, evaluate, checkpoint when due (every rank decides alike: the collectives inside never hang)."""
         cfg, step = self.cfg, self.state.step
         self._log_downstream(self.downstream.poll(self.writer.committed))
-        if verdict.preempted:
+        if verdict.preempted and not self.notice.grow_heard:
             self.state.preemptions += 1  # survived once its checkpoint commits; the checkpoint carries the count
         do_log, do_eval, counted = self._due(step)
         do_ckpt = verdict.checkpoint_now or counted or verdict.preempted is not None
@@ -311,6 +311,7 @@ class WorkerRun:
         self._log_downstream(self.downstream.poll(self.writer.committed, final=True)
                              + self.downstream.drain(self.cfg.eval.wait_at_end_s))
         self.attempt.close()
+        self.notice.close()
         tracked = self.records.close()  # TensorBoard's last copy; the trackers' last records sent
         if self.rank == 0:
             self.log.write_summary(self.cfg, self.state, checkpoint=self.writer.committed or self.resumed_from,
@@ -500,6 +501,7 @@ class WorkerRun:
         self.writer.wait()
         if self.world > 1:
             dist.barrier()
+        self.notice.committed(self.state.step)  # (a grow's request: the controller restarts the group from it)
         self.notice.exit_if_terminated()
         self.notice.hold()
 

@@ -1,6 +1,7 @@
-"""Preemption notices: agreement across ranks that the run must checkpoint now (node drain or SIGTERM).
+"""Preemption notices: agreement across ranks that the run must checkpoint now (node drain, SIGTERM, or the controller
+about to restart the group at a larger size).
 
-Two sources. Ray reports a node being drained for preemption (a spot interruption notice turned into
+Three sources (the third: raytrain/elastic/resize_request.py, a request rank 0 reads). Ray reports a node being drained for preemption (a spot interruption notice turned into
 a drain by the autoscaler / KubeRay, or `ray drain-node`): Ray Train's watcher writes it into every
 worker's train context, which each rank reads locally. A SIGTERM reaches only the processes on one node,
 so each rank sets a local flag. Both ride on the step's loss all-reduce (worker/verdict.py), so every rank
@@ -22,22 +23,40 @@ from raytrain.internals.ray import PREEMPTION_INFO, local_preemption_info
 from raytrain.console import say
 
 
+# After a grow's checkpoint the ranks wait this long for the controller to tear the group down (steps trained meanwhile
+# would be thrown away); a controller that gave up waiting for the checkpoint restarts the group from it anyway.
+GROW_HOLD_S = 120.0
+
 # Where Ray's public preemption call stands in for the local read: a round trip through the controller, so not
 # every step. A degraded mode: at several seconds a step, ten steps can outlast a drain's notice (SIGTERM still works).
 PUBLIC_POLL_STEPS = 10
 
 
 class PreemptionNotice:
-    def __init__(self, rank: int, *, enabled: bool = True):
+    def __init__(self, rank: int, *, enabled: bool = True, run_uri: Optional[str] = None, since: float = 0.0):
         self.rank, self.enabled = rank, enabled
         self.pending: Optional[str] = None
         self._info_broken = False
         self._local = gate(PREEMPTION_INFO)  # else Ray's public (remote, barrier) call, every PUBLIC_POLL_STEPS
         self.sigterm = _SIGTERM
         self._drain_seen = self._sigterm_seen = False
+        self.requested = threading.Event()  # set on rank 0 by the controller's request before a grow
+        self.grow_heard = False
         self.deadline_ms: Optional[int] = None
         if enabled:
             self._install_sigterm_handler()
+        from raytrain.elastic.resize_request import Listener
+
+        self.grow_requests = Listener(run_uri or "", self.requested, since=since,
+                                      enabled=enabled and rank == 0 and run_uri is not None)
+
+    def committed(self, step: int) -> None:
+        """The notice's checkpoint is committed at `step`: a controller waiting to grow is told."""
+        if self.grow_heard:
+            self.grow_requests.answer(step)
+
+    def close(self) -> None:
+        self.grow_requests.close()
 
     def _install_sigterm_handler(self) -> None:
         # The train function runs in a thread, and Python lets only the main thread set signal handlers.
@@ -52,8 +71,9 @@ class PreemptionNotice:
             say(f"warning: rank {self.rank}: SIGTERM handler not installed ({first_line(e)}); only drain "
                 "notices will trigger a preemption checkpoint")
 
-    def flags(self, step: int) -> tuple[bool, bool]:
-        """(SIGTERM seen here, drain notice seen here) not yet agreed on: this rank's part of the step's vote.
+    def flags(self, step: int) -> tuple[bool, bool, bool]:
+        """(SIGTERM seen here, drain notice seen here, a grow's checkpoint requested here) not yet agreed on: this rank's
+        part of the step's vote.
         No Ray call: Ray Train's preemption watcher pushes a drain notice into every worker's own train
         context, which is read here locally (where Ray's internals differ: Ray's public call, every
         PUBLIC_POLL_STEPS steps, the same steps on every rank since it is a barrier)."""
@@ -61,10 +81,14 @@ class PreemptionNotice:
         drain = False
         if self.enabled and not self._drain_seen:
             drain = (self._local_info() if self._local else self._public_info(step)) is not None
-        return sig, drain
+        return sig, drain, self.requested.is_set() and not self.grow_heard
 
-    def heard(self, sig: bool, drain: bool) -> None:
-        """Some rank saw a SIGTERM / a drain (the step's vote): kept in `pending` until `take()`."""
+    def heard(self, sig: bool, drain: bool, grow: bool = False) -> None:
+        """Some rank saw a SIGTERM / a drain / the controller's request before a grow (the step's vote): kept in
+        `pending` until `take()`."""
+        if grow and not self.grow_heard:
+            self.grow_heard = True
+            self.pending = self.pending or "the controller restarts the group at a larger size"
         if sig and not self._sigterm_seen:
             self._sigterm_seen = True
             self.pending = self.pending or "SIGTERM"
@@ -128,6 +152,14 @@ class PreemptionNotice:
         thrown away; waiting loses none. If the node outlives the deadline by `grace_s` (a cancelled
         notice), training simply goes on. Every rank has the same deadline, so they leave together.
         """
+        if self.grow_heard and not self._drain_seen:
+            say(f"rank {self.rank}: checkpoint committed; waiting up to {GROW_HOLD_S:.0f}s for the group to restart "
+                "at its new size")
+            time.sleep(GROW_HOLD_S)
+            self.grow_heard = False
+            self.requested.clear()
+            say(f"rank {self.rank}: the group was not restarted; training on")
+            return
         if not self._drain_seen or not self.deadline_ms:
             return
         wait = self.deadline_ms / 1000 + grace_s - time.time()

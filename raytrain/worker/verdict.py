@@ -92,7 +92,7 @@ class StepAgreement:
 
     def agree(self, loss: torch.Tensor, step: int, now: bool = True, content: int = 0) -> StepVerdict:
         """Collective. [loss (this rank's sum over its micro-batches), content checksum share, SIGTERM, drain, rank 0
-        wants a checkpoint, snapshot interval proposal], summed over ranks in float64 (the checksum shares, below
+        wants a checkpoint, snapshot interval proposal, a grow's checkpoint requested], summed over ranks in float64 (the checksum shares, below
         2**32, add up exactly); the flags are sent only when a notice, an agreed cadence or the snapshot interval's
         agreement can set them. now=False: this step's result is read at the next call (module docstring)."""
         losses, want_now, checksum = [], False, None
@@ -103,7 +103,7 @@ class StepAgreement:
             losses.append((r.step, out[0] / self.ranks_x_micro))
             checksum = content_checksum.combine(round(out[1]), self.copies)
             if len(out) > 2:
-                self.notice.heard(out[2] > 0, out[3] > 0)
+                self.notice.heard(out[2] > 0, out[3] > 0, out[6] > 0)
                 want_now = want_now or out[4] > 0
             if r.deciding:
                 self.snapshots.agreed(r.step, out[5] / self.world)  # the mean of every rank's proposal
@@ -114,10 +114,11 @@ class StepAgreement:
         deciding = self.snapshots is not None and self.snapshots.deciding(step)
         values = [float(content)]
         if self._carry(deciding):
-            sig, drain = self.notice.flags(step)
+            sig, drain, grow = self.notice.flags(step)
             # (a vote read just now checkpoints this step: no second vote for the same checkpoint)
             want = self.cadence.agreed and self.rank == 0 and self.cadence.due(step) and not want_now
-            values += [float(sig), float(drain), float(want), self.snapshots.proposal() if deciding else 0.0]
+            values += [float(sig), float(drain), float(want), self.snapshots.proposal() if deciding else 0.0,
+                       float(grow)]
         reduction = self._launch(loss.detach(), values, step, deciding)
         # A step that checkpoints (a vote or a notice read late says so) reads its own loss first: no checkpoint is
         # of weights whose loss nobody judged (a rollback to it would restore the bad step).
