@@ -257,8 +257,8 @@ def test_drain_notices_come_from_rays_public_call_every_few_steps_when_forced(st
     monkeypatch.setattr(ray.train, "get_preemption_info", lambda: calls.append(1) or Info())
     notice = PreemptionNotice(0, enabled=False)
     notice.enabled = True  # (no SIGTERM handler outside a worker)
-    assert notice.flags(PUBLIC_POLL_STEPS - 1) == (False, False) and calls == []
-    assert notice.flags(PUBLIC_POLL_STEPS) == (False, True) and len(calls) == 1
+    assert notice.flags(PUBLIC_POLL_STEPS - 1) == (False, False, False) and calls == []
+    assert notice.flags(PUBLIC_POLL_STEPS) == (False, True, False) and len(calls) == 1
     notice.heard(False, True)
     assert notice.take().startswith("node drain for preemption (ranks [1]")
 
