@@ -205,12 +205,8 @@ def controller_sizing(token: str, make):
 def elastic_trainer(trainer_cls: type, make_sizing, failure_config, token: str) -> type:
     """`trainer_cls` (TorchTrainer) whose controller takes raytrain's scaling and failure policies, deciding through
     the Sizing that `make_sizing()` builds inside the controller (raytrain/elastic/sizing.py), one per `token`."""
-    import time
 
-    from ray.train.v2._internal.execution.failure_handling import FailureDecision
-    from ray.train.v2._internal.execution.failure_handling.default import DefaultFailurePolicy, _is_preemption_failure
     from ray.train.v2._internal.execution.scaling_policy import NoopDecision, ResizeDecision, ScalingPolicy
-    from ray.train.v2.api.exceptions import ControllerError, WorkerGroupError
 
     from raytrain.errors import CapacityTimeout
 
@@ -256,6 +252,27 @@ def elastic_trainer(trainer_cls: type, make_sizing, failure_config, token: str) 
                 n = None
             return NoopDecision() if n is None else self._resize(n)
 
+    class ElasticTrainer(trainer_cls):
+        def _initialize_and_run_controller(self, **controller_init_kwargs):
+            controller_init_kwargs["scaling_policy"] = RaytrainScaling(self.scaling_config)
+            controller_init_kwargs["failure_policy"] = _failure_policy(sizing)(failure_config)
+            return super()._initialize_and_run_controller(**controller_init_kwargs)
+
+    ElasticTrainer.__name__ = ElasticTrainer.__qualname__ = trainer_cls.__name__
+    return ElasticTrainer
+
+
+def _failure_policy(sizing) -> type:
+    """Ray's failure policy, but a worker lost with its node (raytrain/elastic/sizing.py `lost`) is a preemption and a
+    wait for capacity that ran out ends the run."""
+    import time
+
+    from ray.train.v2._internal.execution.failure_handling import FailureDecision
+    from ray.train.v2._internal.execution.failure_handling.default import DefaultFailurePolicy, _is_preemption_failure
+    from ray.train.v2.api.exceptions import ControllerError, WorkerGroupError
+
+    from raytrain.errors import CapacityTimeout
+
     class RaytrainFailures(DefaultFailurePolicy):
         def make_decision(self, training_failed_error):
             err = training_failed_error
@@ -276,11 +293,4 @@ def elastic_trainer(trainer_cls: type, make_sizing, failure_config, token: str) 
                         else FailureDecision.RAISE
             return super().make_decision(err)
 
-    class ElasticTrainer(trainer_cls):
-        def _initialize_and_run_controller(self, **controller_init_kwargs):
-            controller_init_kwargs["scaling_policy"] = RaytrainScaling(self.scaling_config)
-            controller_init_kwargs["failure_policy"] = RaytrainFailures(failure_config)
-            return super()._initialize_and_run_controller(**controller_init_kwargs)
-
-    ElasticTrainer.__name__ = ElasticTrainer.__qualname__ = trainer_cls.__name__
-    return ElasticTrainer
+    return RaytrainFailures
