@@ -139,6 +139,7 @@ class MemoryTier:
         self._said = False
         self._pending = None  # (the copy in flight: PendingWrite or Future, its tensors, path, step, gen, judged)
         self._judged: Optional[int] = None  # the newest step whose loss the loop read and found healthy
+        self._told: Optional[int] = None  # the newest committed checkpoint told to this node's actor
         self._unjudged: Optional[tuple[int, str, int]] = None  # (gen, path, step): committed, its loss not read yet
         self._copier = None  # the thread that copies host tensors (CPU training), made on first use
         self._launch_s = 0.0
@@ -158,7 +159,14 @@ class MemoryTier:
         except ValueError:  # none on this node yet (a fresh start, or a new node): it starts while we build
             self.actor = node_actor(self.run_uri, self.c)
             return {"actor": name, "held": []}
-        return {"actor": name, "held": ray.get(self.actor.holdings.remote(self.world, FORMAT))}
+        return {"actor": name, **ray.get(self.actor.holdings.remote(self.world, FORMAT))}
+
+    def note_committed(self, step: Optional[int]) -> None:
+        """A storage checkpoint is committed at `step`: this node's actor keeps the newest (no wait)."""
+        if not self.enabled or self.actor is None or step is None or (self._told is not None and step <= self._told):
+            return
+        self._told = step
+        self.actor.note_committed.remote(step)
 
     def load(self, step: int, holders: list[tuple[str, str]], mine: str) -> dict:
         """This rank's state at `step` from `holders` ([(actor, path)]): from this node's file when this node
@@ -212,6 +220,7 @@ class MemoryTier:
         the optimizer step changes its sources."""
         if not self.enabled:
             return
+        self.note_committed(committed)
         self.settle()
         self.interval.tick(self.last_stall_s if self._took else None)
         self._took = False

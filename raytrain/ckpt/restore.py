@@ -96,12 +96,14 @@ def agree_memory(recs: list[dict], world: int) -> Optional[tuple[int, dict[int, 
     """(step, {rank: [(actor, path), ...] holding it}) for the newest step every rank's snapshot is held at, by
     some node, at one data position (`samples`: a rollback's timelines differ there), whose loss some rank judged
     (the loss is all-reduced: one rank's reading of it is every rank's), not below the newest committed checkpoint
-    rank 0's snapshots knew of; None when there is none. `recs`: one per rank, {"actor", "held": [[rank, step,
+    rank 0's snapshots or any node's actor knew of; None when there is none. `recs`: one per rank, {"actor", "held": [[rank, step,
     samples, committed, path, judged], ...]} (ranks on one node send the same holdings)."""
     by: dict[tuple[int, int], dict] = {}  # (rank, step) -> {samples: [(actor, path)]}
     judged: set[tuple[int, int]] = set()  # (step, samples) whose loss was read and found healthy
     floor = None
     for r in {r["actor"]: r for r in recs if r.get("actor")}.values():
+        if r.get("committed") is not None:  # the newest committed checkpoint told to that node, any world size
+            floor = r["committed"] if floor is None else max(floor, r["committed"])
         for held_rank, step, samples, committed, path, ok in r["held"]:
             by.setdefault((held_rank, step), {}).setdefault(samples, []).append((r["actor"], path))
             if ok:

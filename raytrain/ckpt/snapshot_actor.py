@@ -66,6 +66,14 @@ class NodeMemory:
         self._lock = threading.Lock()
         self._sending: set[int] = set()  # ranks whose peer copy is in flight
         self._partner: tuple[float, Optional[str]] = (-1e9, None)  # (when looked up, name)
+        # The newest storage checkpoint of the run any rank here said was committed, whatever the world size: a
+        # snapshot older than it is never restored (after an elastic run changed size and changed back, the older
+        # size's snapshots are of a point the run has long passed).
+        self.committed_high: Optional[int] = None
+
+    def note_committed(self, step: int) -> None:
+        """A storage checkpoint of the run is committed at `step`."""
+        self.committed_high = step if self.committed_high is None else max(self.committed_high, step)
 
     def segment(self, rank: int, gen: int, nbytes: int) -> Optional[str]:
         """The path of rank's generation `gen`, sized to at least nbytes; None when the budget or the free shared
@@ -134,9 +142,10 @@ class NodeMemory:
         os.replace(path + ".tmp", path)
         return True
 
-    def holdings(self, world: int, fmt: int) -> list[list]:
-        """[rank, step, samples, committed, path, judged] of every generation and peer copy held here that a world of
-        this size wrote (headers only: cheap); what the restore's agreement gathers from every node."""
+    def holdings(self, world: int, fmt: int) -> dict:
+        """{"held": [[rank, step, samples, committed, path, judged], ...] of every generation and peer copy held here
+        that a world of this size wrote (headers only: cheap), "committed": the newest committed checkpoint told
+        here}: what the restore's agreement gathers from every node."""
         out = []
         with self._lock:
             paths = sorted(self.files)
@@ -145,7 +154,7 @@ class NodeMemory:
             if h and h.get("format") == fmt and h.get("world") == world:
                 out.append([int(h["rank"]), int(h["step"]), h.get("samples"), h.get("committed"), path,
                             snapshot.judged(path, h)])
-        return out
+        return {"held": out, "committed": self.committed_high}
 
     def fetch(self, rank: int, world: int, step: Optional[int] = None) -> Optional[bytes]:
         """Rank's intact generation (world size `world`) held here, its own or a peer copy, at `step` (None: the

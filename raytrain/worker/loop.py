@@ -501,6 +501,7 @@ class WorkerRun:
         self.writer.wait()
         if self.world > 1:
             dist.barrier()
+        self.memory.note_committed(self.state.step)  # no restore takes an older snapshot (another size's) over it
         self.notice.committed(self.state.step)  # (a grow's request: the controller restarts the group from it)
         self.notice.exit_if_terminated()
         self.notice.hold()
