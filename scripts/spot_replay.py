@@ -141,7 +141,7 @@ def main(argv=None) -> int:
     ap.add_argument("--name", default="replay")
     ap.add_argument("--out", default=None)
     ap.add_argument("override", nargs="*", help="dotted overrides of the run (scaling.num_workers=[MIN,MAX], ...)")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # the trace first, the overrides last, options anywhere
     args.logs = os.path.dirname(os.path.abspath(args.out)) if args.out else os.getcwd()
     os.environ.setdefault("RAY_AUTH_MODE", "token")
     from raytrain.config import load_config
@@ -151,7 +151,8 @@ def main(argv=None) -> int:
     cfg = load_config(args.config, list(args.override))
     runs = [replay(args, "elastic", list(args.override))]
     if args.fixed:
-        runs.append(replay(args, "fixed", [*args.override, f"scaling.num_workers={cfg.scaling.max_workers}"]))
+        runs.append(replay(args, "fixed", [*args.override, f"scaling.num_workers={cfg.scaling.max_workers}",
+                                           "batch.gradient_accumulation_steps=null"]))
     ticks, gap = load_trace(args.trace, args.segment, args.max_nodes)
     result = {"trace": args.trace, "segment": args.segment, "ticks": ticks, "trace_gap_s": gap, "tick_s": args.tick_s,
               "runs": runs}

@@ -14,7 +14,7 @@ import time
 from typing import Optional
 
 from raytrain.internals.registry import gate
-from raytrain.internals.ray import INTERNAL_KV, kv_get, kv_put
+from raytrain.internals.ray import INTERNAL_KV, kv_del, kv_get, kv_put
 
 POLL_S = 1.0  # rank 0 looks for a request this often (one small key-value read)
 
@@ -42,15 +42,23 @@ def ask(run_uri: str, wait_s: float) -> Optional[int]:
             time.sleep(0.2)
     except Exception:  # noqa: BLE001 - the resize goes ahead from the newest checkpoint
         return None
+    finally:
+        # Answered or not, the request ends with the wait: a group started later never takes it for its own (the
+        # controller starts no group while it waits here).
+        try:
+            kv_del(ask_key)
+        except Exception:  # noqa: BLE001
+            pass
     return None
 
 
 class Listener:
-    """Rank 0's side: a thread that sets `event` when a request newer than this attempt arrives."""
+    """Rank 0's side: a thread that sets `event` when a request arrives (a request lives only while the controller
+    waits for its answer, so one seen is this group's)."""
 
-    def __init__(self, run_uri: str, event: threading.Event, *, since: float, enabled: bool):
+    def __init__(self, run_uri: str, event: threading.Event, *, enabled: bool):
         self.ask_key, self.done_key = _keys(run_uri)
-        self.event, self.since, self.asked = event, since, None
+        self.event, self.asked = event, None
         self._stop = threading.Event()
         self._thread = None
         if enabled and gate(INTERNAL_KV):
@@ -64,7 +72,7 @@ class Listener:
             except Exception:  # noqa: BLE001 - Ray shutting down: nothing to ask any more
                 return
             req = json.loads(raw) if raw else None
-            if req and req["time"] > self.since and req["time"] != self.asked:
+            if req and req["time"] != self.asked:
                 self.asked = req["time"]
                 self.event.set()
 

@@ -147,8 +147,10 @@ class Sizing:
                       "waited_s": round(self.clock() - t0, 3)})
 
     def started(self, node_ids: Iterable[str], workers: int) -> None:
-        """A worker group of `workers` is up on these nodes."""
+        """A worker group of `workers` is up on these nodes: the next look to grow comes monitor_s from now (a group
+        that has not trained yet is not restarted for a node that joined while it started)."""
         self.group_nodes = set(node_ids)
+        self.last_look = self.clock()
         self.publish({"event": "started", "time": round(self.clock(), 3), "workers": workers})
 
 

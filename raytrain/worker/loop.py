@@ -65,7 +65,7 @@ class WorkerRun:
         import ray.train
         import ray.train.torch
 
-        self.t_start = t0 = time.time()
+        self.t_start = time.time()
         host_heap.start()  # start-up's full-size blocks go back to the OS when freed, until the first step is done
         ctx = ray.train.get_context()
         rank, world = self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
@@ -129,7 +129,7 @@ class WorkerRun:
         # What this attempt's snapshots carry (the first attempt's start is its own, as attempts.jsonl will say).
         self.run_records = {"run_started": started if started is not None else round(self.t_start, 3),
                             "attempts": earlier_attempts}
-        self.notice = PreemptionNotice(rank, enabled=cfg.checkpoint.on_preemption, run_uri=cfg.run_uri, since=t0)
+        self.notice = PreemptionNotice(rank, enabled=cfg.checkpoint.on_preemption, run_uri=cfg.run_uri)
         self.agreement = StepAgreement(notice=self.notice, cadence=self.cadence, rank=rank, world=world,
                                        device=self.device, snapshots=self.memory.interval,
                                        copies=world // self.dp_size, accumulation=cfg.accumulation)

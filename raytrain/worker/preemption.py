@@ -33,7 +33,7 @@ PUBLIC_POLL_STEPS = 10
 
 
 class PreemptionNotice:
-    def __init__(self, rank: int, *, enabled: bool = True, run_uri: Optional[str] = None, since: float = 0.0):
+    def __init__(self, rank: int, *, enabled: bool = True, run_uri: Optional[str] = None):
         self.rank, self.enabled = rank, enabled
         self.pending: Optional[str] = None
         self._info_broken = False
@@ -47,8 +47,7 @@ class PreemptionNotice:
             self._install_sigterm_handler()
         from raytrain.elastic.resize_request import Listener
 
-        self.grow_requests = Listener(run_uri or "", self.requested, since=since,
-                                      enabled=enabled and rank == 0 and run_uri is not None)
+        self.grow_requests = Listener(run_uri or "", self.requested, enabled=enabled and rank == 0 and run_uri is not None)
 
     def committed(self, step: int) -> None:
         """The notice's checkpoint is committed at `step`: a controller waiting to grow is told."""
