@@ -11,10 +11,11 @@ were dropped on resume). Kinds, after Google's ml-goodput-measurement:
   stood still for a checkpoint (an async upload beside training is not badput: only the stall counts), validated;
 - `start/...`, `restart/...`, `resize/...`: from submission (or a fault, or a decision to grow) to the next first
   step, by phase: `driver` (checks before Ray Train starts), `detect` (the last step to the controller seeing the
-  fault), `teardown`, `schedule` (placing the new group), `workers` (Ray's worker processes), `restore` (finding,
+  fault), `notice` (instead of `detect` after a preemption notice's checkpoint: the ranks hold until the node goes), `teardown`, `schedule` (placing the new group), `workers` (Ray's worker processes), `restore` (finding,
   fetching and converting the checkpoint or snapshot, loading it), `setup` (imports, model, engine), `first_step`;
 - `waiting`: below an elastic run's MIN, waiting for nodes;
 - `finish`: after the last step (the final checkpoint's upload, shutdown);
+- `start/unfinished`: a run none of whose groups reached a first step (besides its waits);
 - `not_running`: between the end of one submission of the run and the next;
 - `other`: what none of the above covers (the loop's own work between steps, clock gaps).
 Precedence where activities overlap: waiting, then the restart phases, then evaluation, checkpoint stall, data wait,
@@ -39,7 +40,7 @@ def ledger(run_uri: str) -> Optional[dict[str, Any]]:
     attempts = rd.read_jsonl(ATTEMPTS)
     steps = [r for r in rd.read_jsonl(METRICS) if "loss" in r or "val_loss" in r or "checkpoint" in r]
     submitted = next((e["time"] for e in events if e.get("event") == "submitted"), None)
-    if submitted is None or not attempts:
+    if submitted is None:
         return None
     ended = next((e["time"] for e in reversed(events) if e.get("event") == "ended"), None)
     t_end = ended or max([submitted] + [r["time"] for r in steps] + [a.get("first_step_time", 0) for a in attempts])
@@ -56,8 +57,9 @@ def ledger(run_uri: str) -> Optional[dict[str, Any]]:
         if fresh and sub > prev_end:
             sec["not_running"] = sec.get("not_running", 0.0) + sub - prev_end
         kind = "start" if fresh else _why(events, prev_end, (a.get("controller") or {}).get("group_starting") or a["time"])
-        gap = _gap(a, sub if fresh else prev_end, first_end, first=fresh)
-        _add_gap(sec, kind, gap, waits)
+        noticed = any(r.get("preemption_checkpoint") and prev_end - 5 <= r["time"] <= prev_end + 5 for r in steps)
+        gap = _gap(a, sub if fresh else prev_end, first_end, first=fresh, noticed=noticed)
+        gap_s = _add_gap(sec, kind, gap, waits)
         end = _attempt_end(a, nxt, t_end, [r["time"] for r in steps if r["time"] >= first_end - 1e-3])
         mine = [r for r in steps if first_end - 1e-3 <= r["time"] <= end + 1e-3]
         kinds = _training(mine, first_end, end, nxt, resumed=int(a.get("resumed_step") or 0))
@@ -66,11 +68,14 @@ def ledger(run_uri: str) -> Optional[dict[str, Any]]:
         per_attempt.append({"attempt": a.get("attempt", i), "world_size": a.get("world_size"),
                             "resumed_step": a.get("resumed_step"), "start": round(sub if fresh else prev_end, 3),
                             "first_step": round(first_end, 3), "end": round(end, 3), "kind": kind,
-                            "gap_s": round(sum(d for _, d in gap), 3),
+                            "gap_s": round(gap_s, 3),
                             "steps": _steps_after_first(mine, first_end, int(a.get("resumed_step") or 0)),
                             **{k: round(v, 3) for k, v in kinds.items()}})
         prev_end = end
-    if t_end > prev_end:
+    if not attempts:  # no group ever trained a step: waiting for capacity, and starting groups that did not get there
+        waited = sum(b - a for a, b in waits)
+        sec["waiting"], sec["start/unfinished"] = waited, max(0.0, t_end - submitted - waited)
+    elif t_end > prev_end:
         sec["finish"] = sec.get("finish", 0.0) + t_end - prev_end
     wall = t_end - submitted
     sec["other"] = max(0.0, wall - sum(sec.values()))
@@ -108,12 +113,14 @@ def _waits(events: list[dict], t_end: float) -> list[tuple[float, float]]:
     return out
 
 
-def _gap(a: dict, since: float, first_end: float, *, first: bool) -> list[tuple[str, float]]:
+def _gap(a: dict, since: float, first_end: float, *, first: bool, noticed: bool = False) -> list[tuple[str, float, float]]:
     """The phases from `since` (submission, or the previous attempt's last step) to this attempt's first step's end:
-    [(phase, seconds)], in order, each clipped to the gap."""
+    [(phase, from, to)], in order, each clipped to the gap. `noticed`: the previous attempt ended on a preemption
+    notice's checkpoint, after which its ranks held until the node went (`notice`, not `detect`)."""
     ctl = a.get("controller") or {}
     boot = {k: a["time"] + v for k, v in (a.get("startup_s") or {}).items()}
-    marks = [("detect" if not first else "driver", ctl.get("fault_detected") if not first else ctl.get("group_starting")),
+    lead = "driver" if first else ("notice" if noticed else "detect")
+    marks = [(lead, ctl.get("group_starting") if first else ctl.get("fault_detected")),
              ("teardown", ctl.get("group_torn_down")), ("schedule", ctl.get("group_starting")),
              ("workers", a["time"]), ("restore", boot.get("resume_point")),  # finding, fetching, converting it
              ("setup", boot.get("engine")), ("restore", boot.get("restore")), ("first_step", first_end)]
@@ -122,20 +129,20 @@ def _gap(a: dict, since: float, first_end: float, *, first: bool) -> list[tuple[
         if until is None:
             continue
         until = min(max(until, t), first_end)
-        out.append((phase, until - t))
+        out.append((phase, t, until))
         t = until
     return out
 
 
-def _add_gap(sec: dict, kind: str, gap: list[tuple[str, float]], waits: list[tuple[float, float]]) -> None:
-    """A start / restart / resize gap into the ledger; the part of its schedule phase spent below MIN is waiting."""
-    for phase, d in gap:
-        if phase == "schedule" and waits:
-            w = min(d, sum(b - a for a, b in waits))  # (the waits of a run are inside its schedule phases)
+def _add_gap(sec: dict, kind: str, gap: list[tuple[str, float, float]], waits: list[tuple[float, float]]) -> float:
+    """A start / restart / resize gap into the ledger, the seconds of it spent below MIN as waiting (whichever phase
+    the controller waited in); returns the gap's seconds."""
+    for phase, t0, t1 in gap:
+        w = sum(max(0.0, min(t1, b) - max(t0, a)) for a, b in waits)
+        if w:
             sec["waiting"] = sec.get("waiting", 0.0) + w
-            waits[:] = []  # counted once
-            d -= w
-        sec[f"{kind}/{phase}"] = sec.get(f"{kind}/{phase}", 0.0) + d
+        sec[f"{kind}/{phase}"] = sec.get(f"{kind}/{phase}", 0.0) + (t1 - t0) - w
+    return sum(t1 - t0 for _, t0, t1 in gap)
 
 
 def _attempt_end(a: dict, nxt: Optional[dict], t_end: float, later: list[float]) -> float:
@@ -176,7 +183,7 @@ def format_ledger(g: dict) -> str:
     """The ledger as lines a person reads."""
     wall = g["wall_s"]
     lines = [f"goodput {g['goodput']:.1%} of {wall:,.1f} s wall time ({len(g['attempts'])} attempt(s), sizes "
-             + " -> ".join(str(a["world_size"]) for a in g["attempts"]) + ")"]
+             + (" -> ".join(str(a["world_size"]) for a in g["attempts"]) or "none trained") + ")"]
     for k, v in g["seconds"].items():
         if v > 0:
             lines.append(f"  {k:22} {v:>10.1f} s  {v / wall:6.1%}" if wall else f"  {k:22} {v:>10.1f} s")

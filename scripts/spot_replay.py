@@ -138,6 +138,7 @@ def main(argv=None) -> int:
     ap.add_argument("--notice-every", type=int, default=2, help="every k-th node that leaves is drained first (0: none)")
     ap.add_argument("--notice-s", type=float, default=10.0, help="a drained node goes this long after its notice")
     ap.add_argument("--fixed", action="store_true", help="also replay with scaling.num_workers fixed at MAX")
+    ap.add_argument("--fixed-only", action="store_true", help="only the fixed-size replay")
     ap.add_argument("--name", default="replay")
     ap.add_argument("--out", default=None)
     ap.add_argument("override", nargs="*", help="dotted overrides of the run (scaling.num_workers=[MIN,MAX], ...)")
@@ -149,10 +150,13 @@ def main(argv=None) -> int:
 
     ensure_token()
     cfg = load_config(args.config, list(args.override))
-    runs = [replay(args, "elastic", list(args.override))]
-    if args.fixed:
-        runs.append(replay(args, "fixed", [*args.override, f"scaling.num_workers={cfg.scaling.max_workers}",
-                                           "batch.gradient_accumulation_steps=null"]))
+    runs = [] if args.fixed_only else [replay(args, "elastic", list(args.override))]
+    if args.fixed or args.fixed_only:
+        # The elastic run's largest size, as that run trains it there: the same micro-batch and accumulation.
+        top = max(cfg.sizes())
+        mb, acc = cfg.sizes()[top]
+        runs.append(replay(args, "fixed", [*args.override, f"scaling.num_workers={top}",
+                                           f"batch.micro_batch_size={mb}", f"batch.gradient_accumulation_steps={acc}"]))
     ticks, gap = load_trace(args.trace, args.segment, args.max_nodes)
     result = {"trace": args.trace, "segment": args.segment, "ticks": ticks, "trace_gap_s": gap, "tick_s": args.tick_s,
               "runs": runs}
