@@ -371,7 +371,7 @@ class EvalSection(Section):
 
 
 class HealthSection(Section):
-    """Health rules checked in the training loop (PRODUCT.md). Null thresholds: GPU defaults on GPU, CPU defaults on CPU."""
+    """Health rules checked in the training loop (throughput, loss, gradient norm, memory). Null thresholds: GPU defaults on GPU, CPU defaults on CPU."""
 
     enabled: bool = Field(True, description="evaluate the rules; each violation is logged once with advice and counted")
     min_tflops_per_worker: Optional[float] = Field(None, ge=0.0, description="throughput alert below this achieved TFLOP/s per worker; null: 0.8 (GPU) / 1e-4 (CPU)")
