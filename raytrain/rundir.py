@@ -32,7 +32,7 @@ SUMMARY = _file("summary.json", "the finished run's figures (losses, throughput,
 ATTEMPTS = _file("attempts.jsonl", "one line per (re)start: resumed step, world size, start-up phases, the "
                  "controller's restart phases, the previous attempt's progress", "rank 0, after its first step")
 PROGRESS = _file("progress.json", "the heartbeat: step reached, when, stalled or moving", "rank 0's heartbeat thread")
-RESTORES = _file("restores.jsonl", "one line per restore: source (memory:local, memory:peer or storage), step, "
+RESTORES = _file("restores.jsonl", "one line per restore: source (memory:local, memory:peer, memory:resize or storage), step, "
                  "checkpoint, verdict, bytes read per node", "rank 0")
 CONVERSIONS = _file("conversions.jsonl", "universal-form conversions for resized resumes: from / to world "
                     "size, seconds", "rank 0")

@@ -168,24 +168,30 @@ def test_waiting_below_min_ends_after_max_wait_for_capacity_with_exit_status_3(r
 @pytest.mark.slow
 def test_a_run_shrinks_when_a_node_is_lost_and_grows_back_with_the_losses_of_an_uninterrupted_run(s3_server, tiny_data,
                                                                                                   tmp_path):
-    """Three worker nodes (a `trainer` slot each) and scaling.num_workers=[1, 3]: a node is lost for good at step 4
-    (no replacement), a node joins at step 9. The run goes 3 -> 2 -> 3 workers with run.max_failures=0 (the lost node
-    is a preemption, not a failure), trains every step once, on the batches of the uninterrupted 3-worker run, to
-    its losses (1e-5). The controller's events say what happened."""
+    """Three worker nodes (a `trainer` slot each) and scaling.num_workers=[1, 3]: a node is lost for good at step 6
+    (no replacement, no notice), a node joins at step 9. The run goes 3 -> 2 -> 3 workers with run.max_failures=0
+    (the lost node is a preemption, not a failure), trains every step once, on the batches of the uninterrupted
+    3-worker run, to its losses (1e-5). The shrink restores from the 3 workers' host-memory snapshots (the lost
+    node's from its peer copy), cut for 2: at most one step redone, though the newest storage checkpoint is step 4.
+    The controller's events say what happened."""
     from tests.test_chaos import TINY, _drill
 
     res = _drill(tmp_path, "--data", str(tiny_data), "--storage", "s3://raytrain-test/elastic", "--steps", "14",
-                 "--every", "4", "--kills", "0", "--nodes", "3", "--lose-node-at", "4", "--add-node-at", "9",
+                 "--every", "4", "--kills", "0", "--nodes", "3", "--lose-node-at", "6", "--add-node-at", "9",
                  "--add-node-hold", "8", "--baseline", *TINY, "scaling.num_workers=[1,3]", "batch.global_batch_size=12",
                  "run.max_failures=0", "scaling.resize_monitor_s=2", "scaling.grow_stable_s=2")
     assert res["summary"]["steps"] == 14
     assert sorted(map(int, res["chaos"])) == list(range(1, 15))
     assert res["same_batches"], "a sample was skipped or repeated, or other rows trained"
     assert res["max_loss_diff"] <= 1e-5
-    from raytrain.rundir import ATTEMPTS, ELASTIC, GOODPUT, RunDir
+    from raytrain.rundir import ATTEMPTS, ELASTIC, GOODPUT, RESTORES, RunDir
 
     run = RunDir("s3://raytrain-test/elastic/chaos")
     assert [a["world_size"] for a in run.read_jsonl(ATTEMPTS)] == [3, 2, 3]
+    shrink = run.read_jsonl(ATTEMPTS)[1]
+    restored = [r for r in run.read_jsonl(RESTORES) if r.get("source") == "memory:resize"]
+    assert restored and restored[0]["from_world"] == 3 and restored[0]["step"] >= 5, run.read_jsonl(RESTORES)
+    assert shrink["resumed_step"] == restored[0]["step"]
     events = [(e["event"], e.get("workers")) for e in run.read_jsonl(ELASTIC)]
     # (A grow whose new group fails to start, on a loaded machine, is retried: "grow" may repeat.)
     assert [e for e in events if e[0] not in ("grow", "grow_checkpoint")] == [

@@ -241,3 +241,76 @@ def test_a_host_copy_runs_beside_the_next_step_and_is_committed_before_the_optim
     tier.snapshot(engine, TrainState(step=5, samples_seen=80))
     tier.settle()
     assert replicated == [g0, g0] and snapshot.judged(g0, _load(g0).header) and _load(g0).step == 5
+
+
+def _zero12_states(flat: torch.Tensor, moment: torch.Tensor, world: int) -> dict[int, dict]:
+    """What DeepSpeed's ZeRO-1/2 optimizer's state_dict holds on each of `world` ranks for one parameter group whose
+    real elements are `flat` (fp32 weights) and `moment` (an Adam moment): the group padded at its end to 2 x world,
+    cut into equal partitions; weights kept unpadded, the moment padded."""
+    real = flat.numel()
+    size = -(-real // (2 * world)) * 2
+    out = {}
+    for k in range(world):
+        lo, hi = min(k * size, real), min((k + 1) * size, real)
+        m = torch.cat([moment[lo:hi], torch.zeros(size - (hi - lo))])
+        out[k] = {"single_partition_of_fp32_groups": [flat[lo:hi].clone()], "loss_scaler": "kept",
+                  "base_optimizer_state": {"state": {0: {"exp_avg": m, "step": torch.tensor(7.0)}},
+                                           "param_groups": [{"params": [0], "lr": 0.1}]}}
+    return out
+
+
+@pytest.mark.parametrize("real,old,new", [(103, 4, 3), (103, 3, 2), (10, 4, 1), (7, 2, 4), (64, 4, 2)])
+def test_a_zero12_partition_is_cut_for_another_size_from_the_old_ranks_that_overlap_it(monkeypatch, real, old, new):
+    """An elastic run that shrank restores from the snapshots of the size before: each new rank reads only the old
+    ranks whose partitions overlap its own and gets exactly the weights and optimizer moments DeepSpeed would have
+    partitioned to it at the new size (zeros where its partition runs past the real elements); the lr schedule's
+    non-partitioned state (`step`) is carried."""
+    import torch.distributed as dist
+
+    from raytrain.internals import deepspeed as ds
+
+    flat, moment = torch.arange(real, dtype=torch.float32), torch.arange(real, dtype=torch.float32) * -2
+    states = _zero12_states(flat, moment, old)
+    new_states = _zero12_states(flat, moment, new)
+    size = -(-real // (2 * new)) * 2
+
+    class DeepSpeedZeroOptimizer:  # DeepSpeed's ZeRO-1/2 optimizer as the new engine holds it (the attributes read)
+        nccl_start_alignment_factor = 2
+        real_dp_process_group = [None]
+        round_robin_bit16_meta = [[torch.zeros(real - 3, device="meta"), torch.zeros(2, device="meta")]]
+        round_robin_bit16_padding = [[1, 0]]  # a parameter's alignment padding counts as real elements
+        single_partition_of_fp32_groups = [torch.zeros(size)]
+        groups_padding, partition_count = [0], [new]
+
+    for j in range(new):
+        monkeypatch.setattr(dist, "get_rank", lambda group=None, j=j: j)
+        need = ds.zero_reshard_sources(DeepSpeedZeroOptimizer(), old)
+        assert len(need) <= -(-old // new) + 1, need  # its share and at most one more
+        got = ds.zero_reshard(DeepSpeedZeroOptimizer(), {k: states[k] for k in need}, old)
+        want = new_states[j]
+        assert torch.equal(got["single_partition_of_fp32_groups"][0], want["single_partition_of_fp32_groups"][0])
+        g, w = got["base_optimizer_state"]["state"][0], want["base_optimizer_state"]["state"][0]
+        assert torch.equal(g["exp_avg"], w["exp_avg"]) and g["step"] == 7 and got["loss_scaler"] == "kept"
+        assert got["partition_count"] == [new]
+    with pytest.raises(ValueError, match="was not read"):
+        monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+        ds.zero_reshard(DeepSpeedZeroOptimizer(), {old - 1: states[old - 1]}, old)
+
+
+def test_ranks_agree_on_the_newest_step_of_any_size_and_prefer_their_own_on_a_tie():
+    from raytrain.ckpt.restore import newest_memory_point
+
+    def held(actor, *entries):  # (rank, step, world)
+        return {"actor": actor, "held": [[r, s, s * 8, None, f"/shm/{actor}-r{r}-w{w}-s{s}", True, w]
+                                         for r, s, w in entries]}
+
+    # Four workers wrote step 6 (rank 3's from its peer copy on node B), three workers step 5 after a shrink: 6.
+    a, b = held("A", (0, 6, 4), (1, 6, 4), (0, 5, 3)), held("B", (2, 6, 4), (3, 6, 4), (1, 5, 3), (2, 5, 3))
+    step, holders, world, samples = newest_memory_point([{"rank": 0, **a}, {"rank": 1, **b}, {"rank": 2, **b}], 3)
+    assert (step, world, samples) == (6, 4, 48) and sorted(holders) == [0, 1, 2, 3]
+    # Rank 3's snapshot of step 6 is gone with its node: no complete step of 4 workers; this size's step 5.
+    b = held("B", (2, 6, 4), (1, 5, 3), (2, 5, 3))
+    assert newest_memory_point([{"rank": 0, **a}, {"rank": 1, **b}, {"rank": 2, **b}], 3)[:3:2] == (5, 3)
+    # A storage checkpoint newer than every snapshot of any size: none.
+    b["committed"] = 7
+    assert newest_memory_point([{"rank": 0, **a}, {"rank": 1, **b}, {"rank": 2, **b}], 3) is None

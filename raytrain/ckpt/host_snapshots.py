@@ -31,7 +31,8 @@ from raytrain.ckpt.restore import refusal
 from raytrain.ckpt.snapshot_actor import NAMESPACE, actor_name, node_actor, run_actors
 from raytrain.ckpt.snapshot_interval import SnapshotInterval
 from raytrain.ckpt.state import TrainState, rng_state, set_rng_state
-from raytrain.internals.deepspeed import is_zero_optimizer, zero_check, zero_load, zero_state
+from raytrain.internals.deepspeed import (is_zero_optimizer, zero_check, zero_load, zero_reshard, zero_reshard_sources,
+                                         zero_state)
 
 FORMAT = 1  # the state dict's shape inside a snapshot; a restore refuses other versions
 
@@ -96,8 +97,34 @@ def apply(engine, sd: dict) -> TrainState:
     engine.global_steps = sd["engine"]["global_steps"]
     engine.global_samples = sd["engine"]["global_samples"]
     engine.skipped_steps = sd["engine"]["skipped_steps"]
-    set_rng_state(sd["rng"])
+    if sd["rng"] is not None:  # (None: a rank new at this size keeps its seed)
+        set_rng_state(sd["rng"])
     return TrainState.from_dict(sd["train_state"])
+
+
+def reshard_sources(engine, rank: int, from_world: int) -> Optional[list[int]]:
+    """The old ranks (of `from_world`) whose snapshots this rank reads to restore at this size: for ZeRO-1/2 those
+    whose partitions overlap its new one, plus its own old rank's (RNG streams belong to ranks); for a plain engine
+    (every rank holds everything) one. None: this engine cannot be restored across sizes from memory."""
+    kind = engine_kind(engine)
+    if kind == "plain":
+        return [rank % from_world]
+    need = zero_reshard_sources(engine.optimizer, from_world) if kind == "zero" else None
+    if need is None:
+        return None
+    return sorted(set(need) | ({rank} if rank < from_world else set()))
+
+
+def resharded(engine, states: dict[int, dict], *, rank: int, from_world: int) -> dict:
+    """A captured state for this rank at this size (what `capture` would hold), from old ranks' captured states:
+    counters and schedule from any (they are the same on every rank), RNG from its own old rank (a rank new at
+    this size keeps its seed, as a resized storage restore does), the ZeRO-1/2 partition re-cut."""
+    first = states[min(states)]
+    out = {**first, "rng": states[rank]["rng"] if rank in states else None,
+           "run_records": states.get(0, first).get("run_records")}
+    if first["kind"] == "zero":
+        out["optimizer"] = zero_reshard(engine.optimizer, {k: s["optimizer"] for k, s in states.items()}, from_world)
+    return out
 
 
 class _HostWrite:
@@ -148,7 +175,8 @@ class MemoryTier:
 
     def holdings(self) -> dict:
         """What this node's actor holds of the run for this world size, every rank's (headers only): this rank's
-        record for the restore's agreement ({"actor": name, "held": [[rank, step, samples, committed, path]]})."""
+        record for the restore's agreement ({"actor": name, "held": [[rank, step, samples, committed, path, judged,
+        world]]}): every size's, for an elastic run that changed size."""
         if not self.enabled:
             return {"actor": None, "held": []}
         import ray
@@ -159,7 +187,7 @@ class MemoryTier:
         except ValueError:  # none on this node yet (a fresh start, or a new node): it starts while we build
             self.actor = node_actor(self.run_uri, self.c)
             return {"actor": name, "held": []}
-        return {"actor": name, **ray.get(self.actor.holdings.remote(self.world, FORMAT))}
+        return {"actor": name, **ray.get(self.actor.holdings.remote(FORMAT))}
 
     def note_committed(self, step: Optional[int]) -> None:
         """A storage checkpoint is committed at `step`: this node's actor keeps the newest (no wait)."""
@@ -196,16 +224,49 @@ class MemoryTier:
         self._gen = 0 if gen is None else 1 - gen  # the next snapshot keeps this one
         return snap.state
 
-    def _fetch(self, step: int, holders: list[tuple[str, str]]) -> Optional[bytes]:
-        """This rank's generation at `step` from the first of `holders`' actors that sends it (None: none did)."""
+    def load_resized(self, engine, point) -> tuple[dict, int]:
+        """(this rank's state at point.step cut for this world from the snapshots of the point.from_world ranks before
+        that overlap it, bytes fetched from other nodes): only those are read, from this node's files where it holds
+        them, else fetched. Raises where it cannot (the restore's vote then sends every rank to storage)."""
+        want = reshard_sources(engine, self.rank, point.from_world)
+        if want is None:
+            raise RuntimeError(f"this engine's state cannot be cut from another size's memory snapshots "
+                               f"({engine_kind(engine) or 'optimizer'} not supported): restoring from storage")
+        states, fetched = {}, 0
+        for k in want:
+            local = next((path for actor, path in point.holders[k] if actor == self.node_actor_name()), None)
+            snap = None
+            if local is not None and not self.drill_fetch_fails:
+                h = snapshot.read_header(local)
+                snap = snapshot.load(local, h) if h and h.get("step") == point.step and h.get("rank") == k else None
+            if snap is None:
+                data = self._fetch(point.step, point.holders[k], rank=k, world=point.from_world)
+                snap = snapshot.load_bytes(data) if data else None
+                fetched += len(data or b"")
+            if snap is None or snap.step != point.step:
+                raise RuntimeError(f"the memory snapshot of rank {k} of {point.from_world} at step {point.step} "
+                                   "could not be read")
+            states[k] = snap.state
+        return resharded(engine, states, rank=self.rank, from_world=point.from_world), fetched
+
+    def node_actor_name(self) -> str:
         import ray
 
+        return actor_name(self.run_uri, ray.get_runtime_context().get_node_id())
+
+    def _fetch(self, step: int, holders: list[tuple[str, str]], *, rank: Optional[int] = None,
+               world: Optional[int] = None) -> Optional[bytes]:
+        """A rank's generation (this rank's in this world by default) at `step` from the first of `holders`'
+        actors that sends it (None: none did)."""
+        import ray
+
+        rank = self.rank if rank is None else rank
         for actor, _ in holders:
             try:
                 if self.drill_fetch_fails:
-                    raise ConnectionError(f"injected: rank {self.rank}'s memory snapshot cannot be fetched")
-                data = ray.get(ray.get_actor(actor, namespace=NAMESPACE).fetch.remote(self.rank, self.world, step),
-                               timeout=self.c.memory_fetch_timeout_s)
+                    raise ConnectionError(f"injected: rank {rank}'s memory snapshot cannot be fetched")
+                data = ray.get(ray.get_actor(actor, namespace=NAMESPACE).fetch.remote(
+                    rank, self.world if world is None else world, step), timeout=self.c.memory_fetch_timeout_s)
             except Exception:  # noqa: BLE001 - an actor on a node being lost: another holder may answer
                 data = None
             if data:

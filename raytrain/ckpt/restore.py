@@ -29,6 +29,13 @@ class MemoryPoint:
     source: str = "memory:local"
     record: Optional[dict] = None  # rank 0's restores.jsonl line, written after the first step (off the critical path)
     refused: Optional[str] = None  # this rank's reason in the vote on applying it (agree_apply), when it has one
+    # Written by another number of workers (an elastic run that changed size): the old size, every old rank's
+    # holders, and (step, samples_seen); `state` is cut from the old ranks' snapshots once the engine is built
+    # (host_snapshots.MemoryTier.load_resized), which alone knows which of them this rank's partition needs.
+    from_world: Optional[int] = None
+    holders: Optional[dict] = None
+    counters: Optional[tuple[int, int]] = None
+    t0: float = 0.0
 
 
 def find_memory_point(memory, rank: int) -> Optional[MemoryPoint]:
@@ -50,7 +57,7 @@ def find_memory_point(memory, rank: int) -> Optional[MemoryPoint]:
     t0 = time.perf_counter()
     world = _world()
     recs = _all_gather({"rank": rank, "node": node_id(), **memory.holdings()}, world)
-    agreed = agree_memory(recs, world)
+    agreed = newest_memory_point(recs, world)
     if agreed is None:
         if rank == 0 and any(r["held"] for r in recs):
             have = {}
@@ -60,9 +67,17 @@ def find_memory_point(memory, rank: int) -> Optional[MemoryPoint]:
             say("memory snapshots do not cover every rank at one judged step ("
                 + "; ".join(f"rank {k}: {sorted(have.get(k, ())) or 'none'}" for k in range(world))
                 + "); restoring from storage")
-        memory.invalidate()  # a new timeline starts from storage: older snapshots must never be taken for it
+        # A new timeline starts from storage: older snapshots must never be taken for it (the ones other sizes
+        # wrote are held on other nodes too: rank 0 ends them everywhere).
+        memory.invalidate(everywhere=any(len(h) > 6 and h[6] != world for r in recs for h in r["held"]))
         return None
-    step, holders = agreed
+    step, holders, from_world, samples = agreed
+    if from_world != world:
+        if rank == 0:
+            say(f"restore step {step} from host memory: the snapshots of the {from_world} workers before, cut "
+                f"for {world}")
+        return MemoryPoint(step, None, "memory:resize", from_world=from_world, holders=holders,
+                           counters=(step, int(samples)), t0=t0)
     actor_of = {r["rank"]: r["actor"] for r in recs}
     fetched = [k for k in range(world) if actor_of[k] not in {a for a, _ in holders[k]}]
     source = "memory:peer" if fetched else "memory:local"
@@ -79,6 +94,25 @@ def find_memory_point(memory, rank: int) -> Optional[MemoryPoint]:
     return point
 
 
+def resize_memory_point(memory, engine, point: MemoryPoint, *, rank: int) -> MemoryPoint:
+    """A point written by another number of workers with this rank's state cut from it (memory.load_resized), or
+    its reason not to apply it; rank 0's restores.jsonl line says which old ranks were read and in how long."""
+    from raytrain.console import say
+
+    try:
+        point.state, fetched = memory.load_resized(engine, point)
+    except Exception as e:  # noqa: BLE001 - this rank's "no" in the vote (agree_apply), never a rank left behind
+        point.refused = refusal(e)
+        return point
+    if rank == 0:
+        secs = time.perf_counter() - point.t0
+        say(f"restore step {point.step} from host memory ({point.from_world} -> {_world()} workers) in {secs:.2f} s")
+        point.record = {"source": point.source, "step": point.step, "checkpoint": None, "ok": True,
+                        "time": round(time.time(), 3), "s": round(secs, 3), "from_world": point.from_world,
+                        "fetched_bytes_rank0": fetched}
+    return point
+
+
 def refusal(e: BaseException) -> str:
     """A failure as a rank's reason in a vote: its type and first line."""
     return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
@@ -92,33 +126,56 @@ def agree_apply(reason: Optional[str], rank: int, world: int) -> Optional[str]:
     return "; ".join(refused) if refused else None
 
 
-def agree_memory(recs: list[dict], world: int) -> Optional[tuple[int, dict[int, list[tuple[str, str]]]]]:
+def agree_memory(recs: list[dict], world: int, *, of_world: Optional[int] = None
+                 ) -> Optional[tuple[int, dict[int, list[tuple[str, str]]]]]:
     """(step, {rank: [(actor, path), ...] holding it}) for the newest step every rank's snapshot is held at, by
     some node, at one data position (`samples`: a rollback's timelines differ there), whose loss some rank judged
     (the loss is all-reduced: one rank's reading of it is every rank's), not below the newest committed checkpoint
-    rank 0's snapshots or any node's actor knew of; None when there is none. `recs`: one per rank, {"actor", "held": [[rank, step,
-    samples, committed, path, judged], ...]} (ranks on one node send the same holdings)."""
+    rank 0's snapshots or any node's actor knew of; None when there is none. `recs`: one per rank, {"actor", "held":
+    [[rank, step, samples, committed, path, judged, world], ...]} (ranks on one node send the same holdings; an
+    entry without its world is of `world`). `of_world`: the snapshots a run of that size wrote (default: `world`)."""
+    got = _agree(recs, world, world if of_world is None else of_world)
+    return None if got is None else got[:2]
+
+
+def newest_memory_point(recs: list[dict], world: int) -> Optional[tuple[int, dict, int, object]]:
+    """(step, holders, world that wrote it, samples) of the newest agreed step over every world size whose snapshots
+    are held (an elastic run that changed size: the size before); this world's on a tie. None when none."""
+    sizes = {world} | {h[6] for r in recs if r.get("actor") for h in r["held"] if len(h) > 6}
+    best = None
+    for w in sorted(sizes, key=lambda w: w != world):  # this world first: it wins a tie
+        got = _agree(recs, world, w)
+        if got is not None and (best is None or got[0] > best[0]):
+            best = (got[0], got[1], w, got[2])
+    return best
+
+
+def _agree(recs: list[dict], world: int, of_world: int):
+    """agree_memory's search among the snapshots of one world size: (step, holders, samples) or None. The floor
+    counts every committed checkpoint told, whatever size wrote it."""
     by: dict[tuple[int, int], dict] = {}  # (rank, step) -> {samples: [(actor, path)]}
     judged: set[tuple[int, int]] = set()  # (step, samples) whose loss was read and found healthy
     floor = None
     for r in {r["actor"]: r for r in recs if r.get("actor")}.values():
         if r.get("committed") is not None:  # the newest committed checkpoint told to that node, any world size
             floor = r["committed"] if floor is None else max(floor, r["committed"])
-        for held_rank, step, samples, committed, path, ok in r["held"]:
+        for held_rank, step, samples, committed, path, ok, *size in r["held"]:
+            if held_rank == 0 and committed is not None:
+                floor = committed if floor is None else max(floor, committed)
+            if (size[0] if size else world) != of_world:
+                continue
             by.setdefault((held_rank, step), {}).setdefault(samples, []).append((r["actor"], path))
             if ok:
                 judged.add((step, samples))
-            if held_rank == 0 and committed is not None:
-                floor = committed if floor is None else max(floor, committed)
     for step in sorted({s for _, s in by}, reverse=True):
         if floor is not None and step < floor:
             break
         common = {samples for samples in by.get((0, step), {}) if (step, samples) in judged}
-        for k in range(1, world):
+        for k in range(1, of_world):
             common &= set(by.get((k, step), {}))
         if common:
             samples = sorted(common, key=str)[0]
-            return step, {k: by[(k, step)][samples] for k in range(world)}
+            return step, {k: by[(k, step)][samples] for k in range(of_world)}, samples
     return None
 
 

@@ -368,25 +368,38 @@ def verify(path: str, header: dict) -> bool:
 def load(path: str, header: dict) -> Optional[Snapshot]:
     """The state of a generation whose header was read: tensors copied out and checked against their crc (the
     commit word is read again after the copy, so a generation overwritten meanwhile is refused)."""
-    import torch
-
     with open(path, "rb") as f:
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     view = memoryview(mm)
     try:
-        bufs, layout = header["buffers"], header["layout"]
-        sk = bytes(view[bufs[0]["off"]:bufs[0]["off"] + bufs[0]["n"]])
-        tensors = []
-        for b, (dtype, shape) in zip(bufs[1:], layout):
-            raw = bytearray(view[b["off"]:b["off"] + b["n"]])
-            if checksum(raw) != b["sum"]:
-                return None
-            t = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
-            tensors.append(t.view(getattr(torch, dtype)).reshape(shape))
+        snap = _state_of(view, header)
     finally:
         view.release()
         mm.close()
-    if checksum(sk) != bufs[0]["sum"] or read_header(path) != header:
+    return snap if snap is not None and read_header(path) == header else None
+
+
+def load_bytes(data: bytes) -> Optional[Snapshot]:
+    """The state of a whole generation received from another node (committed_bytes); None when it does not check
+    out."""
+    header = header_of(data)
+    return _state_of(memoryview(data), header) if header is not None else None
+
+
+def _state_of(view, header: dict) -> Optional[Snapshot]:
+    """A generation's state from its bytes: tensors copied out, every buffer checked against its crc."""
+    import torch
+
+    bufs, layout = header["buffers"], header["layout"]
+    sk = bytes(view[bufs[0]["off"]:bufs[0]["off"] + bufs[0]["n"]])
+    tensors = []
+    for b, (dtype, shape) in zip(bufs[1:], layout):
+        raw = bytearray(view[b["off"]:b["off"] + b["n"]])
+        if checksum(raw) != b["sum"]:
+            return None
+        t = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+        tensors.append(t.view(getattr(torch, dtype)).reshape(shape))
+    if checksum(sk) != bufs[0]["sum"]:
         return None
     return Snapshot(header, unflatten(pickle.loads(sk), tensors))
 

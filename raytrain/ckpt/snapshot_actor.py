@@ -142,18 +142,18 @@ class NodeMemory:
         os.replace(path + ".tmp", path)
         return True
 
-    def holdings(self, world: int, fmt: int) -> dict:
-        """{"held": [[rank, step, samples, committed, path, judged], ...] of every generation and peer copy held here
-        that a world of this size wrote (headers only: cheap), "committed": the newest committed checkpoint told
-        here}: what the restore's agreement gathers from every node."""
+    def holdings(self, fmt: int) -> dict:
+        """{"held": [[rank, step, samples, committed, path, judged, world], ...] of every generation and peer copy
+        held here, whatever size of run wrote it (headers only: cheap), "committed": the newest committed checkpoint
+        told here}: what the restore's agreement gathers from every node."""
         out = []
         with self._lock:
             paths = sorted(self.files)
         for path in paths:
             h = snapshot.read_header(path)
-            if h and h.get("format") == fmt and h.get("world") == world:
+            if h and h.get("format") == fmt:
                 out.append([int(h["rank"]), int(h["step"]), h.get("samples"), h.get("committed"), path,
-                            snapshot.judged(path, h)])
+                            snapshot.judged(path, h), int(h["world"])])
         return {"held": out, "committed": self.committed_high}
 
     def fetch(self, rank: int, world: int, step: Optional[int] = None) -> Optional[bytes]:

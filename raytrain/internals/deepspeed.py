@@ -30,6 +30,14 @@ NO_SHM_OP = register(
          "build it",
     fallback="DeepSpeed builds the op at the first CPU run of each environment, as it does by itself")
 
+ZERO_RESHARD = register(
+    "deepspeed.zero12_reshard", package="deepspeed", written_for=V,
+    gain="an elastic run that shrinks after a node is lost without notice restores from the host-memory snapshots "
+         "of the size before (each rank re-cuts its new ZeRO-1/2 partition from the old ranks' flat partitions that "
+         "overlap it, about 2 x its own share of bytes whatever the number of workers): at most one step redone "
+         "instead of everything since the last storage checkpoint",
+    fallback="a change of size restores from the newest storage checkpoint (through DeepSpeed's universal form)")
+
 ZERO_CLASSES = ("DeepSpeedZeroOptimizer", "DeepSpeedZeroOptimizer_Stage3")
 
 
@@ -97,6 +105,86 @@ def zero_load(opt, state: dict) -> None:
         opt.update_lp_params()  # ZeRO-1/2: the 16-bit weights from the fp32 partitions (ZeRO-3 does it inside)
     if hasattr(opt, "checkpoint_event_epilogue"):
         opt.checkpoint_event_epilogue()
+
+
+def _zero12_layout(opt, from_world: int) -> Optional[list[tuple[int, int, int, int]]]:
+    """Per parameter group of a ZeRO-1/2 optimizer: (real elements of the flat group, this rank's partition start,
+    its padded size now, a partition's padded size at `from_world` ranks); None where the optimizer is not one.
+    DeepSpeed pads each group at its end to nccl_start_alignment_factor x ranks and cuts it into equal partitions;
+    the elements before that padding (parameters and their alignment padding) are the same at every size."""
+    import torch.distributed as dist
+
+    if type(opt).__name__ != "DeepSpeedZeroOptimizer" or not gate(ZERO_RESHARD):
+        return None
+    out = []
+    for i, part in enumerate(opt.single_partition_of_fp32_groups):
+        group = opt.real_dp_process_group[i]
+        real = sum(m.numel() + pad for m, pad in zip(opt.round_robin_bit16_meta[i], opt.round_robin_bit16_padding[i]))
+        align = opt.nccl_start_alignment_factor * from_world
+        out.append((real, dist.get_rank(group=group) * part.numel(), part.numel(), -(-real // align) * align // from_world))
+    return out
+
+
+def zero_reshard_sources(opt, from_world: int) -> Optional[list[int]]:
+    """The ranks of a `from_world`-rank run whose ZeRO-1/2 partitions overlap this rank's partition now (what it
+    reads to re-cut its own); None where this optimizer cannot be resharded from host memory."""
+    layout = _zero12_layout(opt, from_world)
+    if layout is None:
+        return None
+    need = set()
+    for real, start, size, old in layout:
+        end = min(start + size, real)
+        need.update(k for k in range(from_world) if k * old < end and (k + 1) * old > start)
+    return sorted(need)
+
+
+def zero_reshard(opt, states: dict[int, dict], from_world: int) -> dict:
+    """This rank's ZeRO-1/2 state now (what `zero_state` would have captured at this size), cut from the captured
+    states of the old ranks overlapping it (`states`: old rank -> its zero_state). Raises ValueError when they do
+    not fit together (another layout, a missing rank): the caller's vote sends every rank to storage."""
+    import torch
+    from deepspeed.checkpoint.constants import (BASE_OPTIMIZER_STATE, GROUP_PADDINGS, PARTITION_COUNT,
+                                               SINGLE_PARTITION_OF_FP32_GROUPS)
+
+    layout = _zero12_layout(opt, from_world)
+    if layout is None:
+        raise ValueError("this optimizer is not DeepSpeed's ZeRO-1/2 optimizer of the version written for")
+    first = states[min(states)]
+    base = first[BASE_OPTIMIZER_STATE]
+    fp32, opt_state = [], {}
+    for i, (real, start, size, old) in enumerate(layout):
+        end = min(start + size, real)
+        pid = base["param_groups"][i]["params"][0]
+        keys = base["state"].get(pid, {})
+        pieces: dict = {"fp32": []}
+        for k in range(from_world):
+            lo, hi = max(start, k * old), min(end, (k + 1) * old)
+            if lo >= hi:
+                continue
+            if k not in states:
+                raise ValueError(f"the snapshot of rank {k} of {from_world} was not read")
+            sd = states[k]
+            held = sd[SINGLE_PARTITION_OF_FP32_GROUPS][i]
+            if held.numel() != max(0, min(old, real - k * old)):
+                raise ValueError(f"rank {k}'s partition of group {i} holds {held.numel()} elements, not the "
+                                 f"{max(0, min(old, real - k * old))} its layout gives")
+            pieces["fp32"].append(held[lo - k * old:hi - k * old])
+            st = sd[BASE_OPTIMIZER_STATE]["state"].get(sd[BASE_OPTIMIZER_STATE]["param_groups"][i]["params"][0], {})
+            for key, v in st.items():
+                if torch.is_tensor(v) and v.numel() == old:  # partitioned (padded to the old partition's size)
+                    pieces.setdefault(key, []).append(v[lo - k * old:hi - k * old])
+        fp32.append(torch.cat(pieces["fp32"]) if pieces["fp32"] else torch.zeros(0, dtype=torch.float32))
+        new = {}
+        for key, v in keys.items():
+            if key in pieces:  # zeros where the new partition runs past the real elements (DeepSpeed's padding)
+                cut = torch.cat(pieces[key]) if pieces[key] else v.new_zeros(0)
+                new[key] = torch.cat([cut, cut.new_zeros(size - cut.numel())])
+            else:
+                new[key] = v
+        opt_state[pid] = new
+    return {**first, SINGLE_PARTITION_OF_FP32_GROUPS: fp32, GROUP_PADDINGS: list(opt.groups_padding),
+            PARTITION_COUNT: opt.partition_count,
+            BASE_OPTIMIZER_STATE: {"state": opt_state, "param_groups": base["param_groups"]}}
 
 
 MUON_ASIDE = register(

@@ -27,7 +27,8 @@ from raytrain.ds_config import build_ds_config, resolve_dtype
 from raytrain.errors import UserError
 from raytrain.ckpt.layout import dir_name, step_of
 from raytrain.ckpt.host_snapshots import MemoryTier, apply as apply_snapshot, check as check_snapshot
-from raytrain.ckpt.restore import agree_apply, find_memory_point, find_resume_point, peek_state, restore
+from raytrain.ckpt.restore import (agree_apply, find_memory_point, find_resume_point, peek_state, resize_memory_point,
+                                   restore)
 from raytrain.worker.rollback import roll_back
 from raytrain.ckpt.state import TrainState
 from raytrain.ckpt.writer import CheckpointWriter
@@ -368,6 +369,8 @@ class WorkerRun:
         storage instead (the resume point it returns), one warning says why, and restores.jsonl records it;
         snapshots of this timeline are not offered again."""
         cfg, rank = self.cfg, self.rank
+        if self.from_memory.from_world is not None:  # another size's snapshots: this rank's state cut from them
+            self.from_memory = resize_memory_point(self.memory, self.engine, self.from_memory, rank=rank)
         mine = self.from_memory.refused or check_snapshot(self.engine, self.from_memory.state, self.faults)
         refused = agree_apply(mine, rank, self.world)
         if refused is None:
@@ -401,7 +404,8 @@ class WorkerRun:
         return {"step": self.state.step, "samples_seen": self.state.samples_seen, "checkpoint": self.resumed_from,
                 "source": "memory" if self.from_memory is not None else "storage", "attempt": earlier_attempts,
                 "world_size": self.world,
-                "from_world_size": self.ckpt_world if self.from_memory is None else self.world}
+                "from_world_size": self.ckpt_world if self.from_memory is None else
+                self.from_memory.from_world or self.world}
 
     def _restore(self, resumed, earlier_attempts: int) -> TrainState:
         """Engine, RNG and counters from the resume point (collective), or a fresh state."""
@@ -527,6 +531,8 @@ def _total(parts: list) -> Optional[torch.Tensor]:
 def _counters(from_memory, resumed) -> Optional[tuple[int, int]]:
     """(step, samples_seen) the attempt will resume at, read before the engine is built: the memory snapshot's, the
     checkpoint's (a few bytes), or a fresh start's."""
+    if from_memory is not None and from_memory.counters is not None:
+        return from_memory.counters  # another size's snapshots, read once the engine is built
     if from_memory is not None and from_memory.state is None:
         return None  # this rank could not read it: the vote sends every rank to storage, not predicted here
     if from_memory is not None:
