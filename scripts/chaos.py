@@ -160,23 +160,27 @@ class Harness:
             self.add_data_node()
             self.log.append({"action": ev["action"], "time": t})
             return
+        # "at": when the event itself happened (the node joined, was killed, got its notice), for timings from it.
         if ev["action"] == "ADD_NODE":  # capacity comes back (an elastic run grows onto it)
             self.add_node()
             open(req[:-len(".request")] + ".ack", "w").close()
-            self.log.append({"action": ev["action"], "time": t})
+            self.log.append({"action": ev["action"], "time": t, "at": time.time()})
             return
         k = self._node_index(ev["node_id"])
         if ev["action"] == "REMOVE_NODE":
             if ev.get("replace", True):
                 self.add_node()  # the replacement an autoscaler would bring
+            at = time.time()
             self.kill_node(k)
         else:
             # The notice first, then the replacement: a node joining takes tens of seconds on a loaded
             # machine, and a notice that late found the run already past the drained step.
+            at = time.time()
             self.drain_node(k, self.deadline_s, node_id=ev["node_id"])
             open(req[:-len(".request")] + ".ack", "w").close()
-            self.add_node()
-        self.log.append({"action": ev["action"], "node_id": ev["node_id"], "time": t})
+            if ev.get("replace", True):
+                self.add_node()
+        self.log.append({"action": ev["action"], "node_id": ev["node_id"], "time": t, "at": at})
 
     def watch(self, marker: str) -> "Harness":
         self.marker = marker
@@ -234,14 +238,19 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--every", type=int, default=4, help="checkpoint interval")
     ap.add_argument("--kills", type=int, default=3, help="SIGKILLs of worker processes at random steps")
-    ap.add_argument("--remove-node-at", type=int, default=0, help="remove a worker's node at this step")
-    ap.add_argument("--lose-node-at", type=int, default=0,
+    # Node events may repeat (--lose-node-at 4 --lose-node-at 9): the elastic bench takes medians over them.
+    ap.add_argument("--remove-node-at", type=int, action="append", default=[],
+                    help="remove a worker's node at this step (a replacement joins first)")
+    ap.add_argument("--lose-node-at", type=int, action="append", default=[],
                     help="remove a worker's node at this step with no replacement (spot capacity gone)")
-    ap.add_argument("--add-node-at", type=int, default=0, help="a worker node joins at this step")
+    ap.add_argument("--add-node-at", type=int, action="append", default=[], help="a worker node joins at this step")
     ap.add_argument("--add-node-hold", type=float, default=0.0,
                     help="the step that adds a node lasts until it joined and this many seconds more")
     ap.add_argument("--nodes", type=int, default=2, help="worker nodes (one `trainer` slot each) at the start")
-    ap.add_argument("--drain-at", type=int, default=0, help="drain a worker's node for preemption at this step")
+    ap.add_argument("--drain-at", type=int, action="append", default=[],
+                    help="drain a worker's node for preemption at this step (a replacement joins after the notice)")
+    ap.add_argument("--reclaim-at", type=int, action="append", default=[],
+                    help="drain a worker's node for preemption at this step with no replacement")
     ap.add_argument("--remove-data-node-at", type=int, default=0,
                     help="add a CPU-only data node (data.reader=ray reads there) and remove it at this step")
     ap.add_argument("--drain-deadline", type=float, default=20.0, help="seconds from the drain to the node's end")
@@ -268,19 +277,18 @@ def main(argv=None) -> int:
     harness = Harness(args.drain_deadline)
     marker = os.path.join(tempfile.mkdtemp(prefix="raytrain-chaos-"), "event")
     rng = random.Random(args.seed)
-    busy = {args.remove_node_at, args.drain_at, args.remove_data_node_at, args.lose_node_at, args.add_node_at}
+    busy = {*args.remove_node_at, *args.drain_at, *args.reclaim_at, args.remove_data_node_at, *args.lose_node_at,
+            *args.add_node_at}
     kill_steps = sorted(rng.sample([s for s in range(2, args.steps) if s not in busy], args.kills))
     events = [{"step": s, "rank": rng.randrange(2), "signal": "SIGKILL"} for s in kill_steps]
-    if args.remove_node_at:
-        events.append({"step": args.remove_node_at, "rank": 1, "signal": "REMOVE_NODE"})
-    if args.drain_at:
-        events.append({"step": args.drain_at, "rank": 1, "signal": "DRAIN_NODE"})
+    # Rank 1's node, never rank 0's (whose records the drill reads).
+    events += [{"step": s, "rank": 1, "signal": "REMOVE_NODE"} for s in args.remove_node_at]
+    events += [{"step": s, "rank": 1, "signal": "DRAIN_NODE"} for s in args.drain_at]
+    events += [{"step": s, "rank": 1, "signal": "DRAIN_NODE", "replace": False} for s in args.reclaim_at]
+    events += [{"step": s, "rank": 1, "signal": "REMOVE_NODE", "replace": False} for s in args.lose_node_at]
+    events += [{"step": s, "rank": 0, "signal": "ADD_NODE", "hold_s": args.add_node_hold} for s in args.add_node_at]
     if args.remove_data_node_at:
         events.append({"step": args.remove_data_node_at, "rank": 0, "signal": "REMOVE_DATA_NODE"})
-    if args.lose_node_at:  # rank 1's node, not rank 0's (whose records the drill reads), as --remove-node-at
-        events.append({"step": args.lose_node_at, "rank": 1, "signal": "REMOVE_NODE", "replace": False})
-    if args.add_node_at:
-        events.append({"step": args.add_node_at, "rank": 0, "signal": "ADD_NODE", "hold_s": args.add_node_hold})
     events.sort(key=lambda e: e["step"])
     result: dict = {"events": events}
     try:
@@ -306,6 +314,7 @@ def main(argv=None) -> int:
         result["chaos"] = {s: {"loss": r["loss"], "crc": (r.get("batch_crc32"), r.get("content_checksum"))}
                            for s, r in recs.items()}
         result["summary"] = summary
+        result["run_uri"] = cfg.run_uri
         result["recovery"] = _recovery(cfg.run_uri, events, marker)
         result["harness"] = harness.log
     finally:
