@@ -1,4 +1,4 @@
-"""Command line: `raytrain train | prepare | data | ckpt | export | lineage | eval | generate | check | serve | plan | tune | report | cost | config`. Thin: parse, call the component, print one-line errors."""
+"""Command line: `raytrain train | prepare | data | ckpt | export | lineage | eval | generate | check | serve | audit | plan | tune | report | cost | config`. Thin: parse, call the component, print one-line errors."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import sys
 from raytrain.errors import UserError
 
 # The subcommands, in --help order: raytrain/commands/<name>.py, each with add_parser(subparsers) and run(args).
-COMMANDS = ("train", "prepare", "data", "ckpt", "export", "lineage", "eval", "generate", "check", "serve", "plan",
-            "tune", "report", "cost", "config")
+COMMANDS = ("train", "prepare", "data", "ckpt", "export", "lineage", "eval", "generate", "check", "serve", "audit",
+            "plan", "tune", "report", "cost", "config")
 # These import DeepSpeed, which would announce the accelerator it guessed.
 IMPORTS_DEEPSPEED = frozenset({"plan", "export", "eval", "generate", "check"})
 

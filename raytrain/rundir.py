@@ -57,9 +57,13 @@ EVAL_QUEUE = _file("eval_queue.jsonl", "one line per checkpoint handed to a down
                    "evaluation lost to a preemption is run again by the next attempt, never twice", "rank 0")
 TAGS = _file("tags", "one <tag>.json per tagged checkpoint (its step and config)", "`raytrain ckpt tag`", directory=True)
 AUDIT = _file("audit", "append-only audit records (`raytrain/audit.py`): <writer>/<seq>.jsonl segments, each written "
-              "once, whole, by one process: submissions (resolved config, its sha256, the overrides), resumes, "
-              "resizes, rollbacks, exports", "whoever records the event (the driver at submit, rank 0, "
-              "`raytrain export`), each process under a writer id of its own", directory=True)
+              "once (a conditional write), whole, by one process, each naming the sha256 of the one before, a "
+              "writer's first and last anchored in _anchors/: submissions (resolved config, its sha256, the "
+              "overrides), resumes, resizes, rollbacks, exports. On S3 not in the run directory: at the same key "
+              "under the bucket's audit/ prefix (s3://B/audit/<run key>/audit/), which the roles that write them "
+              "cannot delete or overwrite; `raytrain audit verify RUN` checks them", "whoever records the event (the "
+              "driver at submit, rank 0, `raytrain export`), each process under a writer id of its own",
+              directory=True)
 TENSORBOARD = _file("tensorboard", "TensorBoard event files", "rank 0", directory=True)
 REPORT_PNG = _file("report.png", "loss, perplexity and throughput plots", "`raytrain report`")
 REPORT_GOODPUT = _file("goodput.png", "the world size and goodput over time, badput by kind", "`raytrain report`")

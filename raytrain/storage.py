@@ -7,6 +7,7 @@ becomes one line naming the IAM action to grant, the URI and the shipped policy 
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import re
@@ -149,8 +150,8 @@ _S3_ACTIONS = {"PutObject": "s3:PutObject", "CreateMultipartUpload": "s3:PutObje
                "HeadObject": "s3:GetObject", "ListObjectsV2": "s3:ListBucket", "ListObjects": "s3:ListBucket",
                "HeadBucket": "s3:ListBucket", "DeleteObject": "s3:DeleteObject", "DeleteObjects": "s3:DeleteObject",
                "AbortMultipartUpload": "s3:AbortMultipartUpload", "ListParts": "s3:ListMultipartUploadParts",
-               "GetBucketLocation": "s3:GetBucketLocation"}
-_BUCKET_ACTIONS = ("s3:ListBucket", "s3:GetBucketLocation")
+               "GetBucketLocation": "s3:GetBucketLocation", "ListObjectVersions": "s3:ListBucketVersions"}
+_BUCKET_ACTIONS = ("s3:ListBucket", "s3:GetBucketLocation", "s3:ListBucketVersions")
 _DENIED = re.compile(r"ACCESS_DENIED|AccessDenied|\(403\)|Forbidden")
 _OPERATION = re.compile(r"during (\w+) operation|calling the (\w+) operation")
 # The shipped least-privilege policies (present in a source checkout, which `ray job submit --working-dir .` ships).
@@ -353,19 +354,91 @@ def write_bytes(uri: str, data: bytes) -> None:
 _CLIENTS: dict = {}
 
 
-def _put_s3(path: str, data: bytes, uri: str) -> None:
-    from botocore.exceptions import BotoCoreError, ClientError
-
-    bucket, _, key = path.partition("/")
+def _client():
     # One client per process and settings: making one costs tens of milliseconds, and they are thread-safe.
     settings = (endpoint(), _s3_limits(), os.environ.get("AWS_ACCESS_KEY_ID"))
     client = _CLIENTS.get(settings)
     if client is None:
         client = _CLIENTS[settings] = _s3_client()
+    return client
+
+
+def _put_s3(path: str, data: bytes, uri: str) -> None:
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    bucket, _, key = path.partition("/")
     try:
-        client.put_object(Bucket=bucket, Key=key, Body=data, **sse())
+        _client().put_object(Bucket=bucket, Key=key, Body=data, **sse())
     except (BotoCoreError, ClientError) as e:
         raise _fail(uri, e, "write") from None
+
+
+def write_once(uri: str, data: bytes) -> bool:
+    """Create an object that must not exist yet: True when written, False when one is there already (S3: a PUT with
+    `If-None-Match: *` answered 412; local: a hard link that finds the name taken). Never replaces an object."""
+    fs, path = resolve(uri)
+    if isinstance(fs, pafs.LocalFileSystem):
+        tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
+        try:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.link(tmp, path)  # atomic, and fails where the name exists: readers never see half
+            return True
+        except FileExistsError:
+            return False
+        except OSError as e:
+            raise _fail(uri, e, "write") from None
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    bucket, _, key = path.partition("/")
+    try:
+        _client().put_object(Bucket=bucket, Key=key, Body=data, IfNoneMatch="*", **sse())
+        return True
+    except ClientError as e:
+        if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 412:
+            return False
+        raise _fail(uri, e, "write") from None
+    except BotoCoreError as e:
+        raise _fail(uri, e, "write") from None
+
+
+def object_versions(uri: str) -> Optional[list[dict]]:
+    """Every version of every object under a directory URI (S3 ListObjectVersions): {key (relative to uri),
+    version_id, latest, deleted (a delete marker), time}, a key's versions newest first, then its delete markers;
+    None on a local filesystem. An unversioned bucket answers each object once, version id "null"."""
+    if not uri.startswith("s3://"):
+        return None
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    bucket, _, prefix = _s3_path(uri).partition("/")
+    prefix = prefix + "/" if prefix else ""
+    out = []
+    try:
+        for page in _client().get_paginator("list_object_versions").paginate(Bucket=bucket, Prefix=prefix):
+            for marker, items in ((False, page.get("Versions", [])), (True, page.get("DeleteMarkers", []))):
+                out += [{"key": v["Key"][len(prefix):], "version_id": v.get("VersionId") or "null",
+                         "latest": bool(v.get("IsLatest")), "deleted": marker, "time": v.get("LastModified")}
+                        for v in items]
+    except (BotoCoreError, ClientError) as e:
+        raise _fail(uri, e, "list the object versions under") from None
+    return out
+
+
+def read_version(uri: str, version_id: str) -> bytes:
+    """One version of an S3 object (s3:GetObjectVersion)."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    bucket, _, key = _s3_path(uri).partition("/")
+    try:
+        return _client().get_object(Bucket=bucket, Key=key, VersionId=version_id)["Body"].read()
+    except (BotoCoreError, ClientError) as e:
+        raise _fail(uri, e, f"read version {version_id} of") from None
 
 
 def write_text(uri: str, text: str) -> None:

@@ -75,10 +75,15 @@ def test_concurrent_writers_lose_no_record_and_keep_each_writers_order(tmp_path)
         (r["time"], r["writer"], r["segment"]) for r in recs)
     assert seen_prefixes and all(seen_prefixes)
     # Batched: segments of many records each (what waited when the writer's thread woke), numbered in order from 0,
-    # nothing else left behind (no temp file).
+    # nothing else left behind (no temp file); each writer's first and last segment anchored.
     for d in Path(root).iterdir():
+        if d.name == audit.ANCHORS:
+            continue
         names = sorted(p.name for p in d.iterdir())
         assert names == [audit.segment_name(i) for i in range(len(names))], names
+        assert sorted(p.name for p in (Path(root) / audit.ANCHORS / d.name).iterdir()) == [
+            "first.json", f"last-{len(names) - 1:08d}.json"]
+    assert audit.verify(root).ok
     assert len(list(Path(root).rglob("*.jsonl"))) < len(recs) / 2
 
 
@@ -101,15 +106,15 @@ def test_a_torn_segment_is_read_without_its_torn_line_and_a_temp_file_is_not_a_s
 def test_a_refused_write_keeps_the_records_and_retries_the_same_segment(tmp_path, monkeypatch, capsys):
     root = str(tmp_path / "audit")
     w = AuditWriter(root, every=1000, seconds=3600)
-    real, calls = storage.write_text, []
+    real, calls = storage.write_once, []
 
-    def flaky(uri, text):
-        calls.append((uri, text))
+    def flaky(uri, data):
+        calls.append((uri, data))
         if len(calls) == 1:
             raise OSError("503 Slow Down")
-        real(uri, text)
+        return real(uri, data)
 
-    monkeypatch.setattr(storage, "write_text", flaky)
+    monkeypatch.setattr(storage, "write_once", flaky)
     w.record("a", i=0)
     assert not w.flush()
     assert "cannot write a segment" in capsys.readouterr().err and read(root) == []
@@ -278,6 +283,8 @@ def test_router_records_deploy_promote_rollback_and_every_request_without_text(t
     assert statuses.count(200) == 240 and statuses.count(422) == 2
     promoted.__del__()  # what Serve calls at a graceful shutdown
     rolled_back.__del__()
+    verdict = audit.verify(root)  # both routers' chains whole, each closed: its last segment anchored
+    assert verdict.ok and "2 writers" in verdict.summary and "not closed" not in verdict.summary, verdict
     recs = read(root)
     requests = [r for r in recs if r["kind"] == "request"]
     assert len(requests) == len(statuses) and sorted(r["status"] for r in requests) == sorted(statuses)

@@ -56,10 +56,18 @@ def for_moto(policy: dict) -> dict:
     - moto evaluates no `aws:SecureTransport` condition (it takes a conditional Deny as unconditional, refusing
       everything): the TLS-only statement is left out here and checked over the documents instead
       (test_every_s3_policy_refuses_requests_without_tls).
+    - nor the `s3:if-none-match` condition of the audit writes (it would deny every one): they are enforced without
+      it, the server itself answers a conditional write that finds its object with 412, and the condition is checked
+      over the documents (tests/test_audit_verify.py).
     Statements on other services (ec2, iam) never match an S3 request and are kept as they are."""
     out = json.loads(json.dumps(policy))
     out["Statement"] = [st for st in out["Statement"]
                         if "aws:SecureTransport" not in json.dumps(st.get("Condition", {}))]
+    for st in out["Statement"]:
+        if st.get("Condition", {}).get("Null", {}).pop("s3:if-none-match", None) is not None:
+            st["Condition"] = {op: keys for op, keys in st["Condition"].items() if keys}
+            if not st["Condition"]:
+                del st["Condition"]
     for st in out["Statement"]:
         actions = [st["Action"]] if isinstance(st["Action"], str) else st["Action"]
         if "s3:ListBucket" in actions:
@@ -348,6 +356,16 @@ def test_every_command_runs_with_the_driver_as_head_and_the_workers_as_worker(ia
     (cond,) = [st["Condition"]["StringLikeIfExists"]["s3:prefix"] for st in _statements(shipped("worker"), "s3:ListBucket")]
     listed = iam_s3.listed_prefixes()
     assert listed and all(p is None or any(fnmatchcase(p, c) for c in cond) for p in listed), sorted(set(listed))
+    # the audit records (the driver's as head, rank 0's as worker) under audit/, none under runs/, chained and whole
+    # (read after the listings above were checked: the head lists audit/ to read them)
+    assert any(k.startswith("audit/runs/iam/audit/") for k in keys)
+    assert not any(k.startswith("runs/iam/audit/") for k in keys)
+    with iam_s3.acting_as("head"):
+        from raytrain import audit
+
+        verdict = audit.verify(f"s3://{BUCKET}/runs/iam")
+        kinds = {r["kind"] for r in audit.read(audit.run_root(f"s3://{BUCKET}/runs/iam"))}
+    assert verdict.ok and {"submit", "resume", "export"} <= kinds, (verdict, kinds)
     print(f"iam job {time.monotonic() - t0:.1f} s ({r['seconds']}), load {open('/proc/loadavg').read().split()[0]}")
     try:
         _no_credentials_anywhere(iam_s3, keys, log, Path(r["temp_dir"]))

@@ -155,16 +155,17 @@ def tls_error(e: BaseException) -> Optional[str]:
 
 
 def audit_root(audit: Optional[str], model_uri: str) -> Optional[str]:
-    """Where the deployment's audit records go: `audit`, else beside the served model (`<model dir>.audit`);
-    None for "none". Checked writable before anything is deployed."""
+    """Where the deployment's audit records go: `audit`, else beside the served model (`<model dir>.audit`; on S3
+    under the bucket's audit/ prefix); None for "none". Checked writable before anything is deployed (an
+    `audit_check` record: the roles that write audit records may not delete a probe)."""
     from raytrain import storage
-    from raytrain.audit import serve_root
+    from raytrain.audit import check_writable, serve_root
 
     if audit == "none":
         return None
     uri = storage.absolute(audit or serve_root(model_uri))
     try:
-        storage.check_writable(uri)
+        check_writable(uri, by="raytrain serve", model=model_uri)
     except UserError as e:
         raise UserError(f"cannot write audit records to {uri} ({e}); pass --audit URI (a writable directory) or "
                         f"--audit none") from None
