@@ -1,7 +1,7 @@
 """The goodput ledger: every second of a run's wall time, from submission to its end, attributed to exactly one kind.
 
 Read after the fact from the run directory: the driver's and controller's events (elastic.jsonl: submitted,
-started, waiting, capacity_back, grow, lost_node, ended), each attempt's start-up phases and the controller's restart
+started, waiting, capacity_back, grow, lost_node, reclaimed, ended), each attempt's start-up phases and the controller's restart
 phases (attempts.jsonl), and the steps of the run's final timeline (metrics.jsonl, whose lines past a resumed step
 were dropped on resume). Kinds, after Google's ml-goodput-measurement:
 
@@ -103,7 +103,7 @@ def _why(events: list[dict], since: float, until: float) -> str:
     its checkpoint) to its own start: a worker lost (restart, published once the group failed) wins over a decision
     to grow (resize)."""
     seen = {e.get("event") for e in events if since <= e["time"] <= until}
-    return "resize" if "grow" in seen and "lost_node" not in seen else "restart"
+    return "resize" if "grow" in seen and not seen & {"lost_node", "reclaimed"} else "restart"
 
 
 def _waits(events: list[dict], t_end: float) -> list[tuple[float, float]]:

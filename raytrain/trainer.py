@@ -296,7 +296,7 @@ def train(cfg: Config, log: Callable[[str], None] = print, inject: Optional[dict
     trainer_cls, num_workers = trainer_class(cfg, TorchTrainer, failure_config)
     trainer = trainer_cls(
         train_loop_per_worker,
-        train_loop_config={"config": cfg.to_dict(), "train_split": train_split.to_dict(),
+        train_loop_config={"config": cfg.to_dict(), "elastic": cfg.scaling.elastic, "train_split": train_split.to_dict(),
                            "val_split": val_split.to_dict() if val_split else None,
                            "mixture": mixture, "val_sources": val_sources,
                            "inject": inject if inject is not None else faults.from_env()},

@@ -152,6 +152,22 @@ def test_a_grow_asks_for_a_checkpoint_first_and_only_a_grow_does():
     assert len(asked) == 1
 
 
+def test_a_node_reclaimed_with_notice_is_told_from_one_lost_without():
+    """After a drain's checkpoint an elastic run's ranks leave at once (the group restarts on the nodes that stay):
+    the failure that follows is a reclaim with notice, not a lost node; neither node counts again."""
+    c = Cluster(3)
+    s = c.sizing([1, 2, 3])
+    assert s.start_size() == 3
+    s.started({"n0", "n1", "n2"}, 3)
+    c.nodes["n2"].draining = True
+    assert s.lost(s.group_nodes) == {"n2"} and s.drained == {"n2"}
+    c.nodes["n2"].draining = False  # (even were the drain cancelled, the node stays out)
+    assert s.start_size() == 2
+    s.started({"n0", "n1"}, 2)
+    c.dead.add("n1")
+    assert s.lost(s.group_nodes) == {"n1"} and s.drained == set()
+
+
 # --- on a real cluster --------------------------------------------------------------------------------------------
 def test_waiting_below_min_ends_after_max_wait_for_capacity_with_exit_status_3(ray_cluster, tiny_data, tmp_path):
     """The session cluster has 4 CPUs: a run whose MIN needs 5 workers of 1 CPU waits, then ends with its line."""

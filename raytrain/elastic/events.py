@@ -102,6 +102,9 @@ def describe(ev: dict) -> Optional[str]:
         return f"[raytrain] before growing: {got}, after {ev['waited_s']:.1f} s"
     if kind == "started":
         return f"[raytrain] worker group up: {ev['workers']} workers"
+    if kind == "reclaimed":
+        return (f"[raytrain] node(s) reclaimed with notice ({', '.join('..' + n[-8:] for n in ev['nodes'])}): "
+                "restarting on the nodes that stay, from the notice's checkpoint")
     if kind == "lost_node":
         return f"[raytrain] node(s) lost ({', '.join('..' + n[-8:] for n in ev['nodes'])}): charged to run.max_preemptions"
     return None

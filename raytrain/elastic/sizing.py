@@ -51,6 +51,7 @@ class Sizing:
     first_seen: dict = field(default_factory=dict)  # node id -> when this controller first saw it alive
     gone: set = field(default_factory=set)  # nodes found lost: never counted again (a node id is one raylet's life)
     waiting_since: Optional[float] = None
+    drained: set = field(default_factory=set)  # of the nodes `lost` found gone, those Ray was draining
     growing: bool = False  # a grow was decided and its group not yet restarted
     last_look: float = float("-inf")
     _seeded: bool = False
@@ -85,6 +86,7 @@ class Sizing:
             return set()
         alive = {n.id: n for n in self.nodes()}
         gone = {i for i in ids if i not in alive or alive[i].draining}
+        self.drained = {i for i in ids if i in alive and alive[i].draining}  # reclaimed with notice
         ask = [alive[i] for i in ids - gone]
         if ask:
             with ThreadPoolExecutor(max_workers=min(32, len(ask))) as pool:

@@ -285,8 +285,9 @@ def _failure_policy(sizing) -> type:
                 except Exception as e:  # noqa: BLE001 - unknown: charged as Ray would
                     fell_back(ELASTIC_POLICY, e)
                     gone = set()
-                if gone:  # the worker went with its node: a reclaim without notice, not a failure of the run
-                    s.publish({"event": "lost_node", "time": round(time.time(), 3), "nodes": sorted(gone)})
+                if gone:  # the worker went with its node (or left it after a notice): a reclaim, not a failure
+                    s.publish({"event": "reclaimed" if gone <= s.drained else "lost_node", "time": round(time.time(), 3),
+                               "nodes": sorted(gone)})
                     self._preemption_failures += 1
                     limit = self.failure_config.max_preemption_failures
                     return FailureDecision.RETRY if limit == -1 or self._preemption_failures <= limit \

@@ -128,9 +128,9 @@ class WorkerRun:
                                        protect=(f"{cfg.run_uri}/{self.resumed_from}",) if resumed else ())
         self.cadence = cadence_for(cfg.checkpoint, run_started=started, restarts=earlier_attempts)
         # What this attempt's snapshots carry (the first attempt's start is its own, as attempts.jsonl will say).
-        self.run_records = {"run_started": started if started is not None else round(self.t_start, 3),
-                            "attempts": earlier_attempts}
-        self.notice = PreemptionNotice(rank, enabled=cfg.checkpoint.on_preemption, run_uri=cfg.run_uri)
+        self.run_records = {"run_started": round(self.t_start, 3) if started is None else started, "attempts": earlier_attempts}
+        self.notice = PreemptionNotice(rank, enabled=cfg.checkpoint.on_preemption, run_uri=cfg.run_uri,
+                                       leave=loop_config.get("elastic", False))  # (cfg is this size's: not a range)
         self.agreement = StepAgreement(notice=self.notice, cadence=self.cadence, rank=rank, world=world,
                                        device=self.device, snapshots=self.memory.interval,
                                        copies=world // self.dp_size, accumulation=cfg.accumulation)

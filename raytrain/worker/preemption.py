@@ -32,9 +32,15 @@ GROW_HOLD_S = 120.0
 PUBLIC_POLL_STEPS = 10
 
 
+class NoticeLeave(RuntimeError):
+    """An elastic run's ranks leave after a drain notice's checkpoint: the controller restarts the group on the
+    nodes that stay at once, instead of the ranks idling until the drained node goes (Ray Train waits for every rank
+    of a preempted group to end, or for the drain's deadline)."""
+
+
 class PreemptionNotice:
-    def __init__(self, rank: int, *, enabled: bool = True, run_uri: Optional[str] = None):
-        self.rank, self.enabled = rank, enabled
+    def __init__(self, rank: int, *, enabled: bool = True, run_uri: Optional[str] = None, leave: bool = False):
+        self.rank, self.enabled, self.leave = rank, enabled, leave
         self.pending: Optional[str] = None
         self._info_broken = False
         self._local = gate(PREEMPTION_INFO)  # else Ray's public (remote, barrier) call, every PUBLIC_POLL_STEPS
@@ -145,7 +151,8 @@ class PreemptionNotice:
             time.sleep(0.1)
 
     def hold(self, grace_s: float = 30.0) -> None:
-        """After a drain's checkpoint: wait for the node to go instead of training steps that would be lost.
+        """After a drain's checkpoint: wait for the node to go instead of training steps that would be lost (an
+        elastic run's ranks leave instead: NoticeLeave).
 
         Ray Train tears the group down at the drain deadline, so steps taken after the checkpoint are
         thrown away; waiting loses none. If the node outlives the deadline by `grace_s` (a cancelled
@@ -159,6 +166,9 @@ class PreemptionNotice:
             self.requested.clear()
             say(f"rank {self.rank}: the group was not restarted; training on")
             return
+        if self._drain_seen and self.leave:
+            raise NoticeLeave(f"rank {self.rank}: leaving after the preemption notice's checkpoint; the elastic "
+                              "controller restarts the group without the draining node")
         if not self._drain_seen or not self.deadline_ms:
             return
         wait = self.deadline_ms / 1000 + grace_s - time.time()
