@@ -155,8 +155,9 @@ def test_ranks_agree_on_the_newest_step_any_node_holds_for_every_rank_not_below_
 
 
 def test_peer_copy_outlives_its_node_and_release_removes_everything(ray_cluster, tmp_path):
-    """Two node actors of one run (as on two nodes): a rank's generation copied to the partner is fetched from there
-    after the first actor (its node) is gone, intact; releasing the run leaves no actor and no file."""
+    """Node actors of one run (as on three nodes): a rank's generation copied to the partner is fetched from there
+    after the first actor (its node) is gone, intact; a partner that went is replaced at the next copy (not 30 s
+    later); releasing the run leaves no actor and no file."""
     import ray
 
     from raytrain.ckpt.snapshot_actor import NAMESPACE, NodeMemory, actor_name, file_prefix, release_run, run_actors
@@ -165,14 +166,19 @@ def test_peer_copy_outlives_its_node_and_release_removes_everything(ray_cluster,
     shm = str(tmp_path / "shm")
     os.makedirs(shm)
     actors = {n: ray.remote(NodeMemory).options(name=actor_name(run, n), namespace=NAMESPACE, max_concurrency=4).remote(
-        file_prefix(shm, run) + f"{n}-", 0, run_uri=run, name=actor_name(run, n)) for n in ("a", "b")}
+        file_prefix(shm, run) + f"{n}-", 0, run_uri=run, name=actor_name(run, n)) for n in ("a", "b", "c")}
     skeleton, tensors = snapshot.dump_skeleton(_state(6))
     path = ray.get(actors["a"].segment.remote(1, 0, snapshot.size_needed(skeleton, tensors)))
     snapshot.write(path, {"step": 6, "world": 2, "rank": 1, "format": 1}, skeleton, tensors)
-    assert ray.get(actors["a"].replicate.remote(1, path)) == 6  # a's partner is b
-    ray.kill(actors["a"])  # the node is gone (its file stays: a leftover the release removes)
-    assert ray.get(actors["b"].fetch.remote(1, 3)) is None  # another world size's rank 1: not this one
-    data = ray.get(actors["b"].fetch.remote(1, 2))
+    order = sorted(actors, key=lambda n: actor_name(run, n))
+    first, partner, other = order[0], order[1], order[2]
+    assert ray.get(actors[first].replicate.remote(1, path)) == 6  # to the next actor by name
+    ray.kill(actors[partner])  # the partner's node is gone: this copy fails quietly, the next goes elsewhere at once
+    assert ray.get(actors[first].replicate.remote(1, path)) is None
+    assert ray.get(actors[first].replicate.remote(1, path)) == 6
+    ray.kill(actors[first])  # the node is gone (its file stays: a leftover the release removes)
+    assert ray.get(actors[other].fetch.remote(1, 3)) is None  # another world size's rank 1: not this one
+    data = ray.get(actors[other].fetch.remote(1, 2))
     h = snapshot.header_of(data)
     assert h["step"] == 6 and snapshot.committed_bytes(path) == (6, data)
     assert release_run(run, shm) >= 1 and not run_actors(run) and not os.listdir(shm)

@@ -116,6 +116,9 @@ class NodeMemory:
                 return None
             ray.get(ray.get_actor(partner, namespace=NAMESPACE).receive.remote(rank, got[1]))
             return got[0]
+        except Exception:  # noqa: BLE001 - the partner went with its node: the next copy looks for another at once
+            self._partner = (float("-inf"), None)
+            return None
         finally:
             with self._lock:
                 self._sending.discard(rank)
