@@ -19,7 +19,7 @@ costing what --calibrate measured in a replay (spot_replay.py --out JSON: second
 start, a restart after a lost node and a resize). Weeks of a trace take seconds:
 
     python scripts/simulate_spot.py --capacity trace.json --calibrate replay.json --workers-range 1 4 \
-        --global-batch 24 --every 20 --tick-s 15
+        --global-batch 24 --tick-s 15 --monitor-s 5 --grow-stable-s 5
 """
 
 from __future__ import annotations
@@ -77,22 +77,32 @@ def simulate(work_s: float, interval_s: float, ckpt_s: float, restart_s: float, 
 
 
 def calibration(path: str) -> dict:
-    """Seconds per step at each size and seconds of a start, restart and resize, from spot_replay.py's output (its
-    elastic run's goodput ledger: productive seconds and steps of each attempt, the gaps before first steps)."""
+    """From spot_replay.py's output: seconds per step at each size and seconds of a start, restart and resize (its
+    elastic run's goodput ledger: productive seconds and steps of each attempt, the gaps before first steps), and
+    seconds per node join (the replay's node log: one `ray start` at a time)."""
     with open(path) as f:
         replay = json.load(f)
-    g = next(r for r in replay["runs"] if r["label"] == "elastic")["ledger"]
+    run = next(r for r in replay["runs"] if r["label"] == "elastic")
+    g = run["ledger"]
     per_size: dict[int, list[float]] = {}
     gaps: dict[str, list[float]] = {}
     for a in g["attempts"]:
         if a.get("steps"):
             per_size.setdefault(int(a["world_size"]), []).append(
-                (a["productive"] + a["data_wait"] + a["checkpoint_stall"]) / a["steps"])
+                (a["productive"] + a["data_wait"] + a["checkpoint_stall"] + a.get("evaluation", 0.0)) / a["steps"])
         gaps.setdefault(a["kind"], []).append(a["gap_s"])
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     restart = mean(gaps.get("restart") or gaps["start"])
+    joins, since = [], None
+    for e in run.get("nodes", []):  # a tick entry, then its node events in the order they happened
+        if "tick" in e:
+            since = e["time"]
+        elif e.get("joined") and since is not None:
+            joins.append(e["time"] - since)
+            since = e["time"]
     return {"step_s": {n: mean(v) for n, v in per_size.items()}, "start_s": mean(gaps["start"]),
-            "restart_s": restart, "resize_s": mean(gaps.get("resize") or [restart])}
+            "restart_s": restart, "resize_s": mean(gaps.get("resize") or [restart]),
+            "join_s": mean(joins) if joins else 0.0}
 
 
 def step_seconds(cal: dict, n: int) -> float:
@@ -103,50 +113,71 @@ def step_seconds(cal: dict, n: int) -> float:
     return cal["step_s"][near] * near / n
 
 
-def capacity_run(ticks: list[int], tick_s: float, sizes: list[int], cal: dict, *, every: int,
-                 notice_every: int, grow_after_s: float) -> dict:
-    """Steps an elastic run with these usable sizes (one size: a fixed run) trains over a capacity trace: it trains
-    at the largest usable size the nodes hold, restarts (restart_s) when nodes leave, redoing the steps since its last
-    checkpoint unless the loss came with a notice (every notice_every-th), grows (resize_s, from the last checkpoint)
-    onto nodes that stayed grow_after_s, and waits below its smallest size."""
-    t, steps, ckpt, size, removed = 0.0, 0.0, 0, 0, 0
-    busy_until = cal["start_s"]
-    grow_at = None
-    out = {"restarts": 0, "resizes": 0, "redone": 0.0, "waiting_s": 0.0}
+def node_events(ticks: list[int], tick_s: float, join_s: float, notice_every: int) -> list[tuple[float, int, bool]]:
+    """(time, +1 joins / -1 leaves, with notice) of each node as a replay moves them: leaves at the tick, the newest
+    first, every notice_every-th with a notice; joins one after another, join_s each."""
+    out, alive, removed = [], 0, 0
+    for i, target in enumerate(ticks):
+        t = i * tick_s
+        while alive > target:
+            alive -= 1
+            removed += 1
+            out.append((t, -1, bool(notice_every) and removed % notice_every == 0))
+        k = 0
+        while alive < target:
+            alive += 1
+            k += 1
+            out.append((t + k * join_s, 1, False))
+    return sorted(out)
+
+
+def capacity_run(ticks: list[int], tick_s: float, sizes: list[int], cal: dict, *, monitor_s: float,
+                 grow_stable_s: float, notice_every: int, redo_steps: float = 1.0, dt: float = 0.25) -> dict:
+    """Steps a run with these usable sizes (one size: a fixed run) trains over a capacity trace, second by second as
+    raytrain's controller decides: a node lost takes its group down (restart_s; redo_steps steps redone without a
+    notice: the host-memory snapshot interval; none with one), the group restarts at the largest usable size the
+    nodes left hold, below the smallest it waits and starts again (start_s) when nodes are back; a running group
+    looks every monitor_s for nodes alive grow_stable_s and grows onto them (resize_s, nothing redone)."""
+    events = node_events(ticks, tick_s, cal.get("join_s", 0.0), notice_every)
     end = len(ticks) * tick_s
+    fit = lambda n: max((m for m in sizes if m <= n), default=0)  # noqa: E731
+    joined: list[float] = []  # join times of the nodes alive, oldest first
+    t, steps, size, busy_until, next_look, i = 0.0, 0.0, 0, 0.0, 0.0, 0
+    out = {"restarts": 0, "resizes": 0, "redone": 0.0, "waiting_s": 0.0}
     while t < end:
-        cap = ticks[min(int(t // tick_s), len(ticks) - 1)]
-        fit = max((n for n in sizes if n <= cap), default=0)
-        nxt = min(end, (int(t // tick_s) + 1) * tick_s)
-        if fit < size:  # nodes left: a restart at the smaller size (or a wait)
-            removed += size - fit
-            if not (notice_every and removed % notice_every == 0):
-                out["redone"] += steps - ckpt
-                steps = float(ckpt)
-            ckpt = int(steps)
-            size, grow_at = fit, None
+        lost = False
+        while i < len(events) and events[i][0] <= t:
+            _, d, noticed = events[i]
+            i += 1
+            if d > 0:
+                joined.append(events[i - 1][0])
+                continue
+            joined.pop()
+            if size and len(joined) < size:  # a node of the group went (nodes going together: one restart)
+                if not noticed and not lost and t >= busy_until:
+                    out["redone"] += min(redo_steps, steps)
+                    steps -= min(redo_steps, steps)
+                lost = True
+        if lost:
+            size = fit(len(joined))
             out["restarts"] += 1
-            busy_until = t + cal["restart_s"]
-        elif fit > size:
-            if size == 0:  # capacity back after a wait: a start
-                size, busy_until = fit, t + cal["restart_s"]
-            elif grow_at is None:
-                grow_at = t + grow_after_s
-            elif t >= grow_at:
-                out["redone"] += steps - ckpt
-                steps, size, grow_at = float(ckpt), fit, None
+            busy_until, next_look = t + cal["restart_s"], t + cal["restart_s"] + monitor_s
+        elif size == 0 and fit(len(joined)):
+            size = fit(len(joined))  # capacity back (or the first start)
+            busy_until = t + (cal["start_s"] if t == 0 else cal["restart_s"])
+            next_look = busy_until + monitor_s
+        elif size and t >= busy_until and t >= next_look:
+            next_look = t + monitor_s
+            grow = fit(sum(1 for j in joined if t - j >= grow_stable_s))
+            if grow > size:
+                size, busy_until = grow, t + cal["resize_s"]
+                next_look = busy_until + monitor_s
                 out["resizes"] += 1
-                busy_until = t + cal["resize_s"]
-                nxt = min(nxt, busy_until)
-        if grow_at is not None and grow_at < nxt:
-            nxt = max(t + 1e-6, grow_at)
         if size == 0:
-            out["waiting_s"] += nxt - t
-        elif nxt > busy_until:
-            start = max(t, busy_until)
-            steps += (nxt - start) / step_seconds(cal, size)
-            ckpt = max(ckpt, int(steps) // every * every)
-        t = nxt
+            out["waiting_s"] += dt
+        elif t >= busy_until:
+            steps += dt / step_seconds(cal, size)
+        t += dt
     return {**out, "steps": int(steps)}
 
 
@@ -160,16 +191,18 @@ def capacity_main(a) -> int:
     lo_n, hi_n = a.workers_range
     ticks = [min(v, hi_n) for v in ticks]
     cal = calibration(a.calibrate)
+    if a.join_s is not None:
+        cal["join_s"] = a.join_s
     sizes = [n for n in range(lo_n, hi_n + 1) if a.global_batch % n == 0]
-    grow_after = a.grow_after_s if a.grow_after_s is not None else a.tick_s
     print(f"capacity trace {a.capacity} ({len(ticks)} ticks of {a.tick_s:g} s), sizes {sizes}, calibrated on "
           f"{a.calibrate}: step s {', '.join(f'{n}: {s:.3f}' for n, s in sorted(cal['step_s'].items()))}, "
-          f"start {cal['start_s']:.1f} s, restart {cal['restart_s']:.1f} s, resize {cal['resize_s']:.1f} s")
+          f"start {cal['start_s']:.1f} s, restart {cal['restart_s']:.1f} s, resize {cal['resize_s']:.1f} s, "
+          f"node join {cal['join_s']:.1f} s")
     print("| run | steps | restarts | resizes | steps redone | waiting (s) |")
     print("| --- | --- | --- | --- | --- | --- |")
     for name, usable in (("elastic", sizes), ("fixed", [hi_n])):
-        r = capacity_run(ticks, a.tick_s, usable, cal, every=a.every, notice_every=a.notice_every,
-                         grow_after_s=grow_after)
+        r = capacity_run(ticks, a.tick_s, usable, cal, monitor_s=a.monitor_s, grow_stable_s=a.grow_stable_s,
+                         notice_every=a.notice_every, redo_steps=a.redo_steps, dt=max(0.25, a.tick_s / 200))
         print(f"| {name} | {r['steps']} | {r['restarts']} | {r['resizes']} | {r['redone']:.0f} | {r['waiting_s']:.0f} |")
     return 0
 
@@ -205,10 +238,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tick-s", type=float, default=300.0, help="--capacity: seconds per tick (a replay's --tick-s)")
     ap.add_argument("--workers-range", type=int, nargs=2, default=[1, 4], metavar=("MIN", "MAX"))
     ap.add_argument("--global-batch", type=int, default=24, help="--capacity: usable sizes divide it")
-    ap.add_argument("--every", type=int, default=20, help="--capacity: checkpoint.every_n_steps")
     ap.add_argument("--notice-every", type=int, default=2, help="--capacity: every k-th node lost comes with a notice")
-    ap.add_argument("--grow-after-s", type=float, default=None, help="--capacity: a node counts for growing after "
-                    "this long (scaling.grow_stable_s plus up to one resize_monitor_s); default: one tick")
+    ap.add_argument("--monitor-s", type=float, default=30.0, help="--capacity: scaling.resize_monitor_s")
+    ap.add_argument("--grow-stable-s", type=float, default=30.0, help="--capacity: scaling.grow_stable_s")
+    ap.add_argument("--redo-steps", type=float, default=1.0, help="--capacity: steps redone after a node lost without "
+                    "notice (checkpoint.memory_every_n_steps; with memory snapshots off, about half the checkpoint "
+                    "interval)")
+    ap.add_argument("--join-s", type=float, default=None, help="--capacity: seconds a node takes to join (default: "
+                    "the replay's)")
     a = ap.parse_args(argv)
     if a.capacity:
         if not a.calibrate:

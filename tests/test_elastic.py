@@ -239,3 +239,28 @@ def test_the_cli_exits_3_with_one_line_when_a_run_waited_too_long(monkeypatch, c
     assert main(["config"]) == 3
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("raytrain: error: waited 600 s"), err
+
+
+def test_the_capacity_model_follows_nodes_as_the_controller_does():
+    """scripts/simulate_spot.py --capacity: nodes join one at a time; a loss restarts the group smaller (one step
+    redone without a notice, none with), below MIN it waits, a running group grows onto nodes that stayed
+    grow_stable_s, looked for every monitor_s; a fixed size trains only while all its nodes are there."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from simulate_spot import capacity_run, node_events
+
+    assert node_events([2, 1, 3], 10.0, 2.0, notice_every=2) == [
+        (2.0, 1, False), (4.0, 1, False), (10.0, -1, False), (22.0, 1, False), (24.0, 1, False)]
+    cal = {"step_s": {1: 1.0, 2: 0.5}, "start_s": 10.0, "restart_s": 5.0, "resize_s": 4.0, "join_s": 0.0}
+    run = lambda ticks, sizes, **kw: capacity_run(ticks, 20.0, sizes, cal, monitor_s=2.0, grow_stable_s=2.0,  # noqa: E731
+                                                  notice_every=0, dt=0.25, **kw)
+    assert run([2, 2], [1, 2])["steps"] == 60  # 30 s at 2 workers after a 10 s start: 60 steps
+    r = run([2, 1], [1, 2])  # 10 s at 2 workers, a node lost: 1 step redone, 15 s at 1 after a 5 s restart
+    assert (r["steps"], r["restarts"], r["redone"]) == (34, 1, 1.0)
+    r = run([1, 2], [1, 2])  # 10 s at 1; a node joins at 20 s: grows after 2 s, 4 s without steps, 14 s at 2
+    assert (r["steps"], r["resizes"]) == (10 + 2 + 28, 1)
+    r = run([2, 0, 2], [1, 2])  # the outage: waits, then starts again
+    assert r["waiting_s"] == 20.0 and r["restarts"] == 1 and r["steps"] == 20 - 1 + 30
+    assert run([2, 1, 2], [2])["steps"] == 20 - 1 + 30  # a fixed 2: nothing while a node is missing
