@@ -14,6 +14,12 @@ class CapacityTimeout(UserError):
     exit_status = 3
 
 
+class RestoreElsewhere(RuntimeError):
+    """An attempt that must restore in a new attempt: its memory snapshots were refused and the storage checkpoint it
+    falls back to needs an engine built another way. Not a failure of the run: an elastic run's controller retries
+    it without charging run.max_failures (a fixed-size run's charges it, as Ray does)."""
+
+
 def first_line(e: BaseException, limit: int = 200) -> str:
     """The line of an exception that names the cause: Ray prefixes errors raised in its workers with lines
     of its own ("ray::...", a traceback), and a log line or one-line error needs only the cause."""

@@ -80,13 +80,18 @@ class Follower:
         self.done.set()
 
 
-def replay(args, label: str, overrides: list[str]) -> dict:
-    """One run on a fresh cluster following the trace; its steps and ledger."""
+def replay(args, label: str, overrides: list[str], *, steady: bool = False) -> dict:
+    """One run on a fresh cluster following the trace (steady: MAX nodes throughout, until the run finishes); its
+    steps, ledger and per-step records."""
+    from chaos import _records
+
     from raytrain.config import load_config
     from raytrain.goodput import format_ledger, ledger
     from raytrain.rundir import METRICS, RunDir
 
     ticks, _ = load_trace(args.trace, args.segment, args.max_nodes)
+    if steady:
+        ticks = [args.max_nodes] * (len(ticks) * 10)
     h = Harness(args.notice_s).up()
     follower = Follower(h, ticks, args.tick_s, args.notice_every, args.notice_s)
     name = f"{args.name}-{label}"
@@ -123,7 +128,19 @@ def replay(args, label: str, overrides: list[str]) -> dict:
     g = ledger(run_uri)
     print(f"== {label}: {steps} steps ({ended_by}); " + (format_ledger(g) if g else "no ledger"), flush=True)
     return {"label": label, "run_uri": run_uri, "steps": steps, "ended_by": ended_by, "ledger": g,
-            "nodes": follower.log}
+            "nodes": follower.log, "records": {s: {"loss": r["loss"], "crc": (r.get("batch_crc32"),
+                                                                               r.get("content_checksum"))}
+                                               for s, r in _records(run_uri).items()}}
+
+
+def compare(run: dict, base: dict) -> dict:
+    """A replayed run's steps against the uninterrupted run's: every step once, the same rows (batch and content
+    checksums), the losses' largest difference."""
+    r, b = run["records"], base["records"]
+    common = sorted(set(r) & set(b))
+    return {"steps_compared": len(common), "every_step": set(r) == set(b),
+            "same_batches": all(r[k]["crc"] == b[k]["crc"] for k in common),
+            "max_loss_diff": max((abs(r[k]["loss"] - b[k]["loss"]) for k in common), default=None)}
 
 
 def main(argv=None) -> int:
@@ -139,6 +156,8 @@ def main(argv=None) -> int:
     ap.add_argument("--notice-s", type=float, default=10.0, help="a drained node goes this long after its notice")
     ap.add_argument("--fixed", action="store_true", help="also replay with scaling.num_workers fixed at MAX")
     ap.add_argument("--fixed-only", action="store_true", help="only the fixed-size replay")
+    ap.add_argument("--baseline", action="store_true", help="also run uninterrupted on MAX nodes and compare the "
+                    "elastic run's steps with it (set run.max_steps so that the elastic run finishes in the segment)")
     ap.add_argument("--name", default="replay")
     ap.add_argument("--out", default=None)
     ap.add_argument("override", nargs="*", help="dotted overrides of the run (scaling.num_workers=[MIN,MAX], ...)")
@@ -151,12 +170,19 @@ def main(argv=None) -> int:
     ensure_token()
     cfg = load_config(args.config, list(args.override))
     runs = [] if args.fixed_only else [replay(args, "elastic", list(args.override))]
+    # The elastic run's largest size, as that run trains it there: the same micro-batch and accumulation.
+    top = max(cfg.sizes())
+    mb, acc = cfg.sizes()[top]
+    at_top = [*args.override, f"scaling.num_workers={top}", f"batch.micro_batch_size={mb}",
+              f"batch.gradient_accumulation_steps={acc}"]
     if args.fixed or args.fixed_only:
-        # The elastic run's largest size, as that run trains it there: the same micro-batch and accumulation.
-        top = max(cfg.sizes())
-        mb, acc = cfg.sizes()[top]
-        runs.append(replay(args, "fixed", [*args.override, f"scaling.num_workers={top}",
-                                           f"batch.micro_batch_size={mb}", f"batch.gradient_accumulation_steps={acc}"]))
+        runs.append(replay(args, "fixed", at_top))
+    if args.baseline:
+        base = replay(args, "baseline", at_top, steady=True)
+        for r in runs:
+            r["vs_baseline"] = compare(r, base)
+            print(f"{r['label']} vs uninterrupted: {r['vs_baseline']}", flush=True)
+        runs.append(base)
     ticks, gap = load_trace(args.trace, args.segment, args.max_nodes)
     result = {"trace": args.trace, "segment": args.segment, "ticks": ticks, "trace_gap_s": gap, "tick_s": args.tick_s,
               "runs": runs}

@@ -31,8 +31,8 @@ from raytrain.ckpt.restore import refusal
 from raytrain.ckpt.snapshot_actor import NAMESPACE, actor_name, node_actor, run_actors
 from raytrain.ckpt.snapshot_interval import SnapshotInterval
 from raytrain.ckpt.state import TrainState, rng_state, set_rng_state
-from raytrain.internals.deepspeed import (is_zero_optimizer, zero_check, zero_load, zero_reshard, zero_reshard_sources,
-                                         zero_state)
+from raytrain.internals.deepspeed import (is_zero_optimizer, zero_check, zero_load, zero_reshard, zero_reshard_possible,
+                                         zero_reshard_sources, zero_state)
 
 FORMAT = 1  # the state dict's shape inside a snapshot; a restore refuses other versions
 
@@ -100,6 +100,14 @@ def apply(engine, sd: dict) -> TrainState:
     if sd["rng"] is not None:  # (None: a rank new at this size keeps its seed)
         set_rng_state(sd["rng"])
     return TrainState.from_dict(sd["train_state"])
+
+
+def resizable(ds_cfg) -> bool:
+    """Whether this engine's state can be cut from another size's snapshots (decided before it is built, so that a
+    restore never picks a point it cannot apply): ZeRO-0/1/2 without tensor parallelism or offload, DeepSpeed's
+    internals as written for."""
+    return (ds_cfg.zero_stage < 3 and ds_cfg.tensor_parallel_size == 1 and ds_cfg.offload_optimizer == "none"
+            and zero_reshard_possible())
 
 
 def reshard_sources(engine, rank: int, from_world: int) -> Optional[list[int]]:

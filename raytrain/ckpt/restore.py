@@ -38,7 +38,7 @@ class MemoryPoint:
     t0: float = 0.0
 
 
-def find_memory_point(memory, rank: int) -> Optional[MemoryPoint]:
+def find_memory_point(memory, rank: int, *, resizable: bool = True) -> Optional[MemoryPoint]:
     """The newest step whose snapshot of every rank some node of the run holds (the rank's own node first, else a
     peer copy or a node it ran on before), at one data position, whose loss was judged, and not older than the newest
     committed storage checkpoint any snapshot knew of; None (storage path) otherwise.
@@ -57,7 +57,9 @@ def find_memory_point(memory, rank: int) -> Optional[MemoryPoint]:
     t0 = time.perf_counter()
     world = _world()
     recs = _all_gather({"rank": rank, "node": node_id(), **memory.holdings()}, world)
-    agreed = newest_memory_point(recs, world)
+    agreed = newest_memory_point(recs, world) if resizable else agree_memory(recs, world)
+    if agreed is not None and not resizable:  # only this size's snapshots: another's cannot be cut for this engine
+        agreed = (*agreed, world, None)
     if agreed is None:
         if rank == 0 and any(r["held"] for r in recs):
             have = {}

@@ -107,6 +107,11 @@ def zero_load(opt, state: dict) -> None:
         opt.checkpoint_event_epilogue()
 
 
+def zero_reshard_possible() -> bool:
+    """Whether ZeRO-1/2 partitions may be re-cut here (the gate of the reach)."""
+    return gate(ZERO_RESHARD)
+
+
 def _zero12_layout(opt, from_world: int) -> Optional[list[tuple[int, int, int, int]]]:
     """Per parameter group of a ZeRO-1/2 optimizer: (real elements of the flat group, this rank's partition start,
     its padded size now, a partition's padded size at `from_world` ranks); None where the optimizer is not one.

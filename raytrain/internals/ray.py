@@ -271,13 +271,19 @@ def _failure_policy(sizing) -> type:
     from ray.train.v2._internal.execution.failure_handling.default import DefaultFailurePolicy, _is_preemption_failure
     from ray.train.v2.api.exceptions import ControllerError, WorkerGroupError
 
-    from raytrain.errors import CapacityTimeout
+    from raytrain.errors import CapacityTimeout, RestoreElsewhere
 
     class RaytrainFailures(DefaultFailurePolicy):
+        free_retries = 3  # restores that start over in a new attempt (RestoreElsewhere), not charged
+
         def make_decision(self, training_failed_error):
             err = training_failed_error
             if isinstance(err, ControllerError) and isinstance(err.controller_failure, CapacityTimeout):
                 return FailureDecision.RAISE
+            if isinstance(err, WorkerGroupError) and self.free_retries and err.worker_failures and all(
+                    isinstance(getattr(e, "_base_exc", e), RestoreElsewhere) for e in err.worker_failures.values()):
+                self.free_retries -= 1
+                return FailureDecision.RETRY
             if isinstance(err, WorkerGroupError) and not _is_preemption_failure(err):
                 s = sizing()
                 try:

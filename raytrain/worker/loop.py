@@ -24,9 +24,9 @@ from raytrain.audit import run_event
 from raytrain.rundir import RESTORES, RunDir
 from raytrain.data.manifest import Split
 from raytrain.ds_config import build_ds_config, resolve_dtype
-from raytrain.errors import UserError
+from raytrain.errors import RestoreElsewhere, UserError
 from raytrain.ckpt.layout import dir_name, step_of
-from raytrain.ckpt.host_snapshots import MemoryTier, apply as apply_snapshot, check as check_snapshot
+from raytrain.ckpt.host_snapshots import MemoryTier, apply as apply_snapshot, check as check_snapshot, resizable
 from raytrain.ckpt.restore import (agree_apply, find_memory_point, find_resume_point, peek_state, resize_memory_point,
                                    restore)
 from raytrain.worker.rollback import roll_back
@@ -79,7 +79,7 @@ class WorkerRun:
         self.faults = Faults(loop_config.get("inject"), rank=rank, global_batch=cfg.global_batch)
         self.memory = MemoryTier(cfg.checkpoint, run_uri=cfg.run_uri, rank=rank, world=world, drills=self.faults,
                                  enabled=cfg.deepspeed.tensor_parallel_size == 1)
-        self.from_memory = find_memory_point(self.memory, rank)
+        self.from_memory = find_memory_point(self.memory, rank, resizable=resizable(cfg.deepspeed))
         resumed = None if self.from_memory else find_resume_point(
             cfg.run_uri, rank, deep=cfg.checkpoint.verify_on_resume == "checksum", local_dir=cfg.checkpoint.local_dir,
             tensor_parallel=cfg.deepspeed.tensor_parallel_size > 1)
@@ -392,7 +392,7 @@ class WorkerRun:
         if point is None or point.world_size != self.world:
             # The engine was built to be overwritten (no random init) at this world size: a new attempt builds
             # the right one, and these snapshots are gone, so it starts from storage.
-            raise RuntimeError(f"memory snapshot of step {step} not applied ({refused}); restarting to restore "
+            raise RestoreElsewhere(f"memory snapshot of step {step} not applied ({refused}); restarting to restore "
                                f"from {where} in storage")
         return resumed
 
