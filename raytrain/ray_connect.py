@@ -64,6 +64,25 @@ def check_address(command: str, setting: Optional[str] = None, prefix: str = "")
     return address
 
 
+PROBE_S = 5.0  # a cluster's GCS (or Ray Client server) answers a TCP connect at once when it is up
+
+
+def _reachable(address: str, setting: Optional[str]) -> None:
+    """A HOST:PORT (or ray://HOST:PORT) that accepts no connection is one line, not Ray's minutes of retries."""
+    import socket
+
+    hostport = address.split("://", 1)[-1].rstrip("/")
+    host, _, port = hostport.rpartition(":")
+    if address == "auto" or not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_S).close()
+    except OSError as e:
+        name = "scaling.address" if setting else "RAY_ADDRESS"
+        raise UserError(f"{name}={address}: no Ray cluster answers there ({e.strerror or type(e).__name__}); start "
+                        "one (`ray start --head`, `ray up cluster/...`) or fix the address") from None
+
+
 def forwarded_env(address: Optional[str]) -> dict[str, str]:
     """Environment the job's workers get from the driver (see the module docstring)."""
     # Inside `ray job submit` the job's runtime_env already reaches the workers with the S3 settings; adding
@@ -91,6 +110,8 @@ def connect(command: str, setting: Optional[str] = None, *, local_cpus: float = 
         return False
     address = check_address(command, setting)
     local = address in LOCAL
+    if not local:
+        _reachable(address, setting)
     ensure_token(create=local)  # joining: a new random token could never match the cluster's
     env = forwarded_env(address)
     kw: dict = {"runtime_env": {"env_vars": env} if env else None, "log_to_driver": worker_logs,

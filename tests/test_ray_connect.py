@@ -64,3 +64,21 @@ def test_workers_get_the_s3_endpoint_and_the_cluster_address(monkeypatch):
     # the workers (Ray Train's placement-group cleaner warned every second without it, a demo regression).
     monkeypatch.setenv("RAY_SUBMISSION_ID", "raysubmit_1")
     assert forwarded_env("127.0.0.1:6379") == {"RAY_ADDRESS": "127.0.0.1:6379"}
+
+
+def test_an_address_nothing_answers_at_is_one_line_at_once(capsys, monkeypatch):
+    """Ray's own connect retries for minutes; a closed port is refused in one line before that."""
+    import time
+
+    import ray
+
+    from raytrain import ray_connect
+    from raytrain.errors import UserError
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    t = time.monotonic()
+    with pytest.raises(UserError) as err:
+        ray_connect.connect("train", "127.0.0.1:1")
+    assert time.monotonic() - t < 10
+    assert str(err.value).startswith("scaling.address=127.0.0.1:1: no Ray cluster answers there (")
