@@ -80,9 +80,9 @@ class Follower:
         self.done.set()
 
 
-def replay(args, label: str, overrides: list[str], *, steady: bool = False) -> dict:
-    """One run on a fresh cluster following the trace (steady: MAX nodes throughout, until the run finishes); its
-    steps, ledger and per-step records."""
+def replay(args, label: str, overrides: list[str], *, steady: bool = False, stop_at: int | None = None) -> dict:
+    """One run on a fresh cluster following the trace (steady: MAX nodes throughout, until the run finishes or passes
+    step `stop_at`); its steps, ledger and per-step records."""
     from chaos import _records
 
     from raytrain.config import load_config
@@ -110,9 +110,10 @@ def replay(args, label: str, overrides: list[str], *, steady: bool = False) -> d
         log = open(os.path.join(args.logs, f"{name}.log"), "w")
         proc = subprocess.Popen([sys.executable, "-m", "raytrain", "train", "--config", args.config, *ov],
                                 env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        while proc.poll() is None and not follower.done.is_set():
+        while proc.poll() is None and not follower.done.is_set() and not _passed(run_uri, stop_at):
             time.sleep(1)
-        ended_by = "run finished" if proc.poll() is not None else "trace ended"
+        ended_by = "run finished" if proc.poll() is not None else \
+            "trace ended" if follower.done.is_set() else f"passed step {stop_at}"
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGINT)  # the driver's end (its `ended` event), as a person's Ctrl-C
             try:
@@ -133,12 +134,24 @@ def replay(args, label: str, overrides: list[str], *, steady: bool = False) -> d
                                                for s, r in _records(run_uri).items()}}
 
 
+def _passed(run_uri: str, step: int | None) -> bool:
+    """The run's heartbeat is past `step` (None: never)."""
+    if step is None:
+        return False
+    from raytrain.rundir import PROGRESS, RunDir
+
+    try:
+        return int((RunDir(run_uri).read_json(PROGRESS) or {}).get("step", 0)) > step
+    except Exception:  # noqa: BLE001 - not written yet
+        return False
+
+
 def compare(run: dict, base: dict) -> dict:
     """A replayed run's steps against the uninterrupted run's: every step once, the same rows (batch and content
     checksums), the losses' largest difference."""
     r, b = run["records"], base["records"]
     common = sorted(set(r) & set(b))
-    return {"steps_compared": len(common), "every_step": set(r) == set(b),
+    return {"steps_compared": len(common), "every_step": sorted(r) == list(range(1, len(r) + 1)) and set(r) <= set(b),
             "same_batches": all(r[k]["crc"] == b[k]["crc"] for k in common),
             "max_loss_diff": max((abs(r[k]["loss"] - b[k]["loss"]) for k in common), default=None)}
 
@@ -178,7 +191,8 @@ def main(argv=None) -> int:
     if args.fixed or args.fixed_only:
         runs.append(replay(args, "fixed", at_top))
     if args.baseline:
-        base = replay(args, "baseline", at_top, steady=True)
+        done = max((r["steps"] for r in runs if r["label"] == "elastic"), default=None)
+        base = replay(args, "baseline", at_top, steady=True, stop_at=done)
         for r in runs:
             r["vs_baseline"] = compare(r, base)
             print(f"{r['label']} vs uninterrupted: {r['vs_baseline']}", flush=True)
