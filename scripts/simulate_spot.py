@@ -92,7 +92,9 @@ def calibration(path: str) -> dict:
                 (a["productive"] + a["data_wait"] + a["checkpoint_stall"] + a.get("evaluation", 0.0)) / a["steps"])
         gaps.setdefault(a["kind"], []).append(a["gap_s"])
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-    restart = mean(gaps.get("restart") or gaps["start"])
+    # The shortest gap of each kind: a longer one spans a wait or a group that failed before its first step, which
+    # the model plays out itself.
+    restart = min(gaps.get("restart") or gaps["start"])
     joins, since = [], None
     for e in run.get("nodes", []):  # a tick entry, then its node events in the order they happened
         if "tick" in e:
@@ -101,7 +103,7 @@ def calibration(path: str) -> dict:
             joins.append(e["time"] - since)
             since = e["time"]
     return {"step_s": {n: mean(v) for n, v in per_size.items()}, "start_s": mean(gaps["start"]),
-            "restart_s": restart, "resize_s": mean(gaps.get("resize") or [restart]),
+            "restart_s": restart, "resize_s": min(gaps.get("resize") or [restart]),
             "join_s": mean(joins) if joins else 0.0}
 
 
@@ -115,7 +117,8 @@ def step_seconds(cal: dict, n: int) -> float:
 
 def node_events(ticks: list[int], tick_s: float, join_s: float, notice_every: int) -> list[tuple[float, int, bool]]:
     """(time, +1 joins / -1 leaves, with notice) of each node as a replay moves them: leaves at the tick, the newest
-    first, every notice_every-th with a notice; joins one after another, join_s each."""
+    first, every notice_every-th with a notice; joins one after another, join_s each (the first tick's nodes are
+    there when the run starts)."""
     out, alive, removed = [], 0, 0
     for i, target in enumerate(ticks):
         t = i * tick_s
@@ -127,7 +130,7 @@ def node_events(ticks: list[int], tick_s: float, join_s: float, notice_every: in
         while alive < target:
             alive += 1
             k += 1
-            out.append((t + k * join_s, 1, False))
+            out.append((t + k * join_s if i else 0.0, 1, False))
     return sorted(out)
 
 

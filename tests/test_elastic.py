@@ -251,8 +251,8 @@ def test_the_capacity_model_follows_nodes_as_the_controller_does():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
     from simulate_spot import capacity_run, node_events
 
-    assert node_events([2, 1, 3], 10.0, 2.0, notice_every=2) == [
-        (2.0, 1, False), (4.0, 1, False), (10.0, -1, False), (22.0, 1, False), (24.0, 1, False)]
+    assert node_events([2, 1, 3], 10.0, 2.0, notice_every=2) == [  # the first tick's nodes are there at the start
+        (0.0, 1, False), (0.0, 1, False), (10.0, -1, False), (22.0, 1, False), (24.0, 1, False)]
     cal = {"step_s": {1: 1.0, 2: 0.5}, "start_s": 10.0, "restart_s": 5.0, "resize_s": 4.0, "join_s": 0.0}
     run = lambda ticks, sizes, **kw: capacity_run(ticks, 20.0, sizes, cal, monitor_s=2.0, grow_stable_s=2.0,  # noqa: E731
                                                   notice_every=0, dt=0.25, **kw)
