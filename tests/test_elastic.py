@@ -135,6 +135,24 @@ def test_a_node_counts_toward_growing_only_once_it_stayed_grow_stable_s():
     assert s.grow_size(2) == 3 and c.events[-1] == {"event": "grow", "time": c.now, "from": 2, "to": 3}
 
 
+def test_a_node_gone_without_notice_that_ray_still_lists_is_no_room_to_grow():
+    c = Cluster(2)
+    s = c.sizing([1, 2, 3], monitor_s=1.0, grow_stable_s=1.0)
+    assert s.start_size() == 2
+    s.started({"n0", "n1"}, 2)
+    c.nodes["n5"] = Node("n5", dict(TRAINER), ("127.0.0.1", 1995))
+    c.now += 1
+    assert s.grow_size(2) is None  # first seen now
+    c.now += 2
+    c.dead.add("n5")  # gone a moment ago: Ray still lists it alive, its raylet does not answer
+    assert s.grow_size(2) is None and "n5" in s.gone
+    c.nodes["n6"] = Node("n6", dict(TRAINER), ("127.0.0.1", 1996))
+    c.now += 1
+    assert s.grow_size(2) is None
+    c.now += 2
+    assert s.grow_size(2) == 3  # a live one
+
+
 def test_a_grow_asks_for_a_checkpoint_first_and_only_a_grow_does():
     c = Cluster(2)
     asked = []

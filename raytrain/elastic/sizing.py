@@ -132,6 +132,11 @@ class Sizing:
         stable = [n for n in nodes if now - self.first_seen[n.id] >= self.grow_stable_s]
         size = self._usable(self._fits(stable))
         if size is not None and size > current:
+            # A node lost without notice is listed alive until Ray's health checks fail (15 s and more): probed
+            # first, or the group would restart larger and wait for a placement on a node that is not there.
+            gone = self.lost({n.id for n in stable} - self.group_nodes)
+            size = self._usable(self._fits(n for n in stable if n.id not in gone))
+        if size is not None and size > current:
             self.publish({"event": "grow", "time": round(now, 3), "from": current, "to": size})
             self.growing = True
             return size
