@@ -61,7 +61,9 @@ def ledger(run_uri: str) -> Optional[dict[str, Any]]:
             _idle(sec, events, (prev_end, sub), waits, kind="finish" if i else "start/unfinished")
         starting = (a.get("controller") or {}).get("group_starting") or a["time"]
         kind = "start" if fresh else _why(events, prev_first, starting)
-        noticed = any(r.get("preemption_checkpoint") and prev_end - 5 <= r["time"] <= prev_end + 5 for r in steps)
+        # (a grow's checkpoint is taken like a notice's, but what follows it is the resize's teardown, not a notice)
+        noticed = any(r.get("preemption_checkpoint") and not r.get("grow_checkpoint")
+                      and prev_end - 5 <= r["time"] <= prev_end + 5 for r in steps)
         gap = _gap(a, sub if fresh else prev_end, first_end, first=fresh, noticed=noticed)
         gap_s = _add_gap(sec, kind, gap, waits)
         beat = _own_beat(a, nxt)

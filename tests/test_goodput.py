@@ -43,11 +43,12 @@ def _log(rd: RunDir, step: int, t: float, *, step_s: float = 1.0, wait_s: float 
     rd.append_jsonl(METRICS, {**rec, "time": round(T0 + t, 3)})
 
 
-def _ckpt(rd: RunDir, step: int, t: float, stall_s: float, *, notice: bool = False) -> None:
+def _ckpt(rd: RunDir, step: int, t: float, stall_s: float, *, notice: bool = False, grow: bool = False) -> None:
     """A checkpoint's record, written after its save (worker/loop.py _checkpoint); `notice`: a preemption's (or a
-    grow's) checkpoint."""
+    grow's, `grow`) checkpoint."""
     rd.append_jsonl(METRICS, {"step": step, "checkpoint": f"ckpt-{step}", "ckpt_stall_s": stall_s, "ckpt_mode": "async",
-                              "preemption_checkpoint": notice, "time": round(T0 + t, 3)})
+                              "preemption_checkpoint": notice or grow, **({"grow_checkpoint": True} if grow else {}),
+                              "time": round(T0 + t, 3)})
 
 
 def _attempt(rd: RunDir, n: int, *, t: float, first: float, resumed: int, world: int, boot: dict, ctl: dict,
@@ -115,7 +116,7 @@ def _run(path, late: float = 0.0, running: bool = False) -> str:
     # 141.5-144.5, first step 145-146. (The controller keeps the earlier restart's fault_detected: no restart state.)
     _log(rd, 50, 133)
     _event(rd, "grow", 133.5, **{"from": 2, "to": 4})
-    _ckpt(rd, 51, 136, 2, notice=True)  # a grow's request is a notice to the ranks (worker/preemption.py)
+    _ckpt(rd, 51, 136, 2, grow=True)  # a grow's request is a notice to the ranks (worker/preemption.py)
     _event(rd, "grow_checkpoint", 136, step=51, waited_s=2.5)
     _event(rd, "started", 140, workers=4)
     _attempt(rd, 3, t=140, first=146, resumed=51, world=4, boot=_boot(1.5, 4.5, 5),

@@ -496,6 +496,7 @@ class WorkerRun:
         self.cadence.saved(stall)
         self.records.write({"step": self.state.step, "checkpoint": name, "ckpt_stall_s": stall,
                             "ckpt_mode": self.cfg.checkpoint.upload, "preemption_checkpoint": preempted is not None,
+                            **({"grow_checkpoint": True} if preempted and self.notice.grow_heard else {}),
                             **self.cadence.record()}, "checkpoint")
         self.log.checkpoint = name
 
