@@ -18,13 +18,13 @@ class Clock:
 
 
 def _measure(monkeypatch, *, step_s: float, stall_s: float, drag_s: float = 0.0, ckpt_every=1000,
-             target=0.02) -> si.SnapshotInterval:
+             target=0.02, mtbf_s=None, restarts=0) -> si.SnapshotInterval:
     """An attempt from step 0 up to its deciding step: steps of `step_s`; each snapshot stalls `stall_s` and its copy
     slows the next step by `drag_s` (a GPU's side-stream copy)."""
     clock = Clock()
     monkeypatch.setattr(si.time, "monotonic", clock)
-    iv = si.SnapshotInterval("auto", target=target, ckpt_every=ckpt_every)
-    iv.begin(0)
+    iv = si.SnapshotInterval("auto", target=target, ckpt_every=ckpt_every, mtbf_s=mtbf_s)
+    iv.begin(0, restarts=restarts)
     took = None
     taken = []
     for step in range(1, si.MEASURE_STEPS + 1):
@@ -53,6 +53,22 @@ def test_auto_picks_the_smallest_interval_within_the_cost_target(monkeypatch, st
     assert iv.every == want and not iv.deciding(step) and iv.decided_at == step
     assert iv.due(step * want) and (want == 1 or not iv.due(step * want + 1))
     assert f"every {want} step(s) (auto, from step {step}" in iv.describe()
+
+
+@pytest.mark.parametrize("stall_ms, mtbf_s, restarts, want", [
+    (2.0, 7200, 0, 54),  # sqrt(2 x 0.002 s x 7200 s) = 5.4 s of 100 ms steps
+    (2.0, 7200, 3, 27),  # four attempts so far: MTBF 1800 s
+    (60.0, 100, 0, 35),  # 3.46 s: wider than the cost target's 30
+    (60.0, 1, 0, 30),  # Young-Daly would snapshot every 3rd step: the cost target (2 %) keeps it at 30
+])
+def test_auto_takes_young_daly_from_the_failure_rate_within_the_cost_target(monkeypatch, stall_ms, mtbf_s, restarts,
+                                                                              want):
+    """The interval with the least expected loss (snapshot cost against the steps a fault redoes), from
+    checkpoint.mtbf_s over the run's attempts, but never one whose snapshots cost more than the target."""
+    iv = _measure(monkeypatch, step_s=0.1, stall_s=stall_ms / 1000, mtbf_s=mtbf_s, restarts=restarts)
+    assert iv.proposal() == want
+    iv.agreed(si.MEASURE_STEPS + 1, iv.proposal())
+    assert f"Young-Daly with MTBF {mtbf_s / (1 + restarts):,.0f} s" in iv.describe()
 
 
 def test_ranks_take_the_mean_of_their_proposals_rounded_up_and_the_cap(monkeypatch):

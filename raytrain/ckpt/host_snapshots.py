@@ -159,7 +159,8 @@ class MemoryTier:
         self.enabled = bool(ckpt_cfg.memory) and enabled
         # How often (raytrain/ckpt/snapshot_interval.py); `auto` only where snapshots are taken at all.
         self.interval = SnapshotInterval(ckpt_cfg.memory_every_n_steps if self.enabled else 1,
-                                         target=ckpt_cfg.memory_cost_target, ckpt_every=ckpt_cfg.every_n_steps)
+                                         target=ckpt_cfg.memory_cost_target, ckpt_every=ckpt_cfg.every_n_steps,
+                                         mtbf_s=ckpt_cfg.mtbf_s)
         # Drills (raytrain/faults.py Faults, or None): each snapshot stalls this much longer; this rank's snapshot
         # must be fetched from another node, and no node sends it.
         self.drill_delay_s = drills.snapshot_delay_s if drills is not None else 0.0

@@ -4,8 +4,9 @@
 snapshot decision to the next, after a step with a snapshot against after one without, is what a snapshot costs the
 training: its stall on the training thread and what its copy takes from the next step (on a GPU the copy runs on a
 side stream beside it and competes for PCIe and memory bandwidth; the stall alone missed three quarters of that
-cost on an H200, docs/BENCHMARKS.md). Each rank then proposes the smallest interval k with cost / (k x step) <=
-`checkpoint.memory_cost_target`; the proposals ride on the step's all-reduce (worker/verdict.py), so every rank takes
+cost on an H200, docs/BENCHMARKS.md). Each rank then proposes the Young-Daly interval, k x step = sqrt(2 x cost x
+MTBF) (the least expected loss: snapshot cost against the steps a fault redoes; MTBF `checkpoint.mtbf_s` over the
+run's attempts so far), but never one whose cost passes `checkpoint.memory_cost_target` (cost / (k x step)); the proposals ride on the step's all-reduce (worker/verdict.py), so every rank takes
 the same k, their mean rounded up, from the same step. A restart redoes at most k steps (k + 1 when the kill lands
 between a step and its snapshot).
 """
@@ -25,8 +26,10 @@ class SnapshotInterval:
     """`due(step)`: whether this step's state is copied. Under auto, `proposal()` / `agreed(step, mean)` at the
     one step where the ranks agree on the interval (`deciding(step)`, the same step on every rank)."""
 
-    def __init__(self, every: Union[int, str], *, target: float, ckpt_every: Union[int, str]):
+    def __init__(self, every: Union[int, str], *, target: float, ckpt_every: Union[int, str],
+                 mtbf_s: Optional[float] = None):
         self.auto = every == "auto"
+        self.prior_mtbf_s = self.mtbf_s = mtbf_s  # None: the cost target alone decides
         self.every = 1 if self.auto else int(every)
         self.target = target
         self.max_every = min(MAX_EVERY, int(ckpt_every)) if isinstance(ckpt_every, int) else MAX_EVERY
@@ -38,9 +41,12 @@ class SnapshotInterval:
         self._last: Optional[float] = None
         self._told = False
 
-    def begin(self, step: int) -> None:
-        """The attempt trains from `step` on: measure from its next step (every rank calls it alike)."""
+    def begin(self, step: int, *, restarts: int = 0) -> None:
+        """The attempt trains from `step` on: measure from its next step (every rank calls it alike); `restarts`:
+        the run's attempts before this one (each an interruption: the MTBF estimate falls with them)."""
         self.first_step, self.decided_at, self._told = step + 1, None, False
+        if self.prior_mtbf_s is not None:
+            self.mtbf_s = self.prior_mtbf_s / (1 + restarts)
         self.after_snapshot, self.after_none, self.stalls, self._last = [], [], [], None
 
     def measuring(self, step: int) -> bool:
@@ -79,11 +85,14 @@ class SnapshotInterval:
         return max(statistics.median(self.after_snapshot) - self.step_s, statistics.median(self.stalls))
 
     def proposal(self) -> float:
-        """This rank's interval: the smallest k with cost / (k x step) <= target (0: nothing measured, as on a rank
-        whose snapshots are off)."""
+        """This rank's interval: Young-Daly's, and at least the smallest k with cost / (k x step) <= target (0:
+        nothing measured, as on a rank whose snapshots are off)."""
         if not self.step_s:
             return 0.0
-        return float(min(self.max_every, max(1, math.ceil(self.cost_s / (self.target * self.step_s) - 1e-9))))
+        k = math.ceil(self.cost_s / (self.target * self.step_s) - 1e-9)
+        if self.mtbf_s:
+            k = max(k, round(math.sqrt(2 * self.cost_s * self.mtbf_s) / self.step_s))
+        return float(min(self.max_every, max(1, k)))
 
     def agreed(self, step: int, mean_proposal: float) -> None:
         """The mean of every rank's proposal, from the step's all-reduce: the interval from this step on."""
@@ -104,6 +113,7 @@ class SnapshotInterval:
             return (f"every other step for {MEASURE_STEPS} steps, then auto (at most {self.target:.1%} of "
                     "throughput)")
         share = self.cost_s / (self.every * self.step_s) if self.step_s else 0.0
+        yd = f", Young-Daly with MTBF {self.mtbf_s:,.0f} s" if self.mtbf_s else ""
         return (f"every {self.every} step(s) (auto, from step {self.decided_at}: a snapshot costs "
                 f"{self.cost_s * 1e3:.2f} ms of a {self.step_s * 1e3:.1f} ms step here, {share:.2%} of throughput; "
-                f"target {self.target:.1%})")
+                f"at most {self.target:.1%}{yd})")

@@ -422,7 +422,7 @@ class WorkerRun:
         # A restart from scratch (an attempt that died before its first checkpoint committed) is a restart
         # too, though no checkpoint carries its count.
         state.restarts = max(state.restarts, earlier_attempts)
-        self.memory.interval.begin(state.step)  # `auto`: measured over this attempt's first steps, then agreed
+        self.memory.interval.begin(state.step, restarts=state.restarts)  # `auto`: measured, then agreed
         return state
 
     def _forward_backward(self, rows: np.ndarray) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
