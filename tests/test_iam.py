@@ -390,3 +390,20 @@ def _no_credentials_anywhere(iam_s3: IamS3, keys: list[str], log: str, ray_dir: 
         for secret in (iam_s3.env[user]["AWS_SECRET_ACCESS_KEY"], iam_s3.env[user]["AWS_ACCESS_KEY_ID"]):
             hits = [name for name, data in blobs.items() if secret.encode() in data]
             assert not hits, (user, hits)
+
+
+def test_the_bucket_policy_binds_every_principal_to_tls_the_encryption_and_audit_writes_once():
+    """The bucket's own policy (what role policies cannot do: bind every principal): plain HTTP refused, uploads asking
+    for another encryption refused (those without the header get the bucket default), audit records never replaced."""
+    policy = json.loads((IAM / "raytrain-bucket-policy.json").read_text().replace("YOUR-BUCKET", BUCKET))
+    by = {st["Sid"]: st for st in policy["Statement"]}
+    assert all(st["Effect"] == "Deny" and st["Principal"] == "*" for st in by.values())
+    tls = by["DenyRequestsWithoutTLS"]
+    assert tls["Action"] == "s3:*" and tls["Condition"] == {"Bool": {"aws:SecureTransport": "false"}}
+    assert set(tls["Resource"]) == {f"arn:aws:s3:::{BUCKET}", f"arn:aws:s3:::{BUCKET}/*"}
+    sse = by["DenyUploadsWithOtherEncryption"]
+    assert sse["Condition"] == {"StringNotEqualsIfExists": {"s3:x-amz-server-side-encryption": "YOUR-SSE"}}
+    audit = by["DenyAuditOverwrites"]
+    assert audit["Resource"] == f"arn:aws:s3:::{BUCKET}/audit/*"
+    assert audit["Condition"] == {"Null": {"s3:if-none-match": "true"}}
+    assert "raytrain-bucket-policy.json" in (IAM / "README.md").read_text()
