@@ -29,6 +29,7 @@ import time
 from typing import Callable, Optional
 
 from raytrain.errors import UserError
+from raytrain.internals.ray import preemption_poll_s
 
 ENV = "RAYTRAIN_FAULT_INJECT"
 
@@ -119,7 +120,7 @@ def _fire(sig: str, event: dict, fired: str) -> None:
             if os.path.exists(fired + ".ack"):
                 break
             time.sleep(0.1)
-        time.sleep(float(os.environ.get("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", "5")) + 3)
+        time.sleep(preemption_poll_s() + 3)
     elif sig == "STALL":
         time.sleep(event.get("seconds", 60))  # a hung rank: its peers wait in the next collective
     else:

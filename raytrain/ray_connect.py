@@ -87,8 +87,9 @@ def forwarded_env(address: Optional[str]) -> dict[str, str]:
     """Environment the job's workers get from the driver (see the module docstring)."""
     # Inside `ray job submit` the job's runtime_env already reaches the workers with the S3 settings; adding
     # keys it also sets would make Ray refuse the merge. RAY_ADDRESS (below) it does not set.
-    in_job = bool(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") or os.environ.get("RAY_SUBMISSION_ID"))
-    env = {} if in_job else {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
+    from raytrain.internals.ray import in_ray_job
+
+    env = {} if in_ray_job() else {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
     if address not in LOCAL and address != "auto" and not address.startswith("ray://"):
         # Ray Train's placement-group cleaner looks the cluster up once a second; without an address it
         # searches the machine, and with a second Ray instance there it warns on every look.

@@ -20,6 +20,7 @@ from raytrain.data.reader import read_unit
 from raytrain.data.sample_plan import units_of
 from raytrain.data.manifest import Split, load_split
 from raytrain.errors import UserError
+from raytrain.internals.ray import set_worker_poll_s
 from raytrain.rundir import COMM_FAILURE, CONFIG, GOODPUT, RunDir
 from raytrain.worker.runlog import read_summary
 
@@ -289,7 +290,7 @@ def train(cfg: Config, log: Callable[[str], None] = print, inject: Optional[dict
     # Ray Train's controller polls the workers every 2 s by default, and a dead worker, like the end of every
     # run, waits for the next poll; 0.5 s costs it a few small actor calls a second (docs/FAULT_TOLERANCE.md).
     # Ray passes the driver's value on to the controller; one set by the user wins.
-    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", str(HEALTH_CHECK_INTERVAL_S))
+    set_worker_poll_s(HEALTH_CHECK_INTERVAL_S)
     clock = make_clock(cfg.run_uri)  # a restart's phases, for attempts.jsonl (None where Ray's internals differ)
     # Two budgets: a spot run expects many preemptions but few real failures.
     failure_config = FailureConfig(max_failures=cfg.run.max_failures, max_preemption_failures=cfg.run.max_preemptions)

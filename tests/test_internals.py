@@ -19,6 +19,10 @@ PACKAGE = ROOT / "raytrain"
 INTERNALS = PACKAGE / "internals"
 # Private-looking names the standard library documents (os._exit, namedtuple's methods).
 STDLIB_PUBLIC = {"_exit", "_asdict", "_replace", "_fields", "_make"}
+# Ray's environment variables that its documentation names (cluster address, token authentication, TLS, the temp
+# directory, a job's submission id); any other RAY_* name is one of its internal constants, a reach.
+RAY_PUBLIC_ENV = {"RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_USE_TLS",
+                  "RAY_TLS_SERVER_CERT", "RAY_TLS_SERVER_KEY", "RAY_TLS_CA_CERT", "RAY_TMPDIR", "RAY_SUBMISSION_ID"}
 
 
 def private_reaches(root: Path, skip: Path | None = None) -> list[str]:
@@ -75,6 +79,12 @@ def _private(name: str) -> bool:
 
 
 def _reach(n, ours: set[str], modules: set[str]) -> str | None:
+    if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value.startswith("RAY_") \
+            and n.value.isupper() and " " not in n.value and n.value not in RAY_PUBLIC_ENV:
+        return f"Ray-internal environment variable {n.value}"
+    if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store) and \
+            ast.unparse(n.value).split(".")[-1] == "engine":  # a DeepSpeed engine's own state written
+        return f"engine attribute set: {ast.unparse(n)}"
     if isinstance(n, ast.Import):
         bad = [a.name for a in n.names if _third_party(a.name) and any(_private(part) for part in a.name.split("."))]
         return f"import {bad[0]}" if bad else None
@@ -112,13 +122,17 @@ def test_the_scanner_finds_each_kind_of_reach(tmp_path):
     (pkg / "bad.py").write_text(
         "import sys\nimport deepspeed.ops\nfrom ray._private import worker\nfrom ray.train import _x\n"
         "import ray._raylet\nsys.modules['mlflow'] = None\nvars(deepspeed.ops)['t'] = 1\ndeepspeed.ops.flag = 1\n"
-        "def f(run, cb):\n    cb._stop_timeout = 2\n    return run.data._metric_objs\n")
+        "def f(run, cb):\n    cb._stop_timeout = 2\n    return run.data._metric_objs\n"
+        "def g(self, os):\n    os.environ['RAY_TRAIN_V2_ENABLED'] = '1'\n    self.engine.global_steps = 3\n"
+        "    return os.environ.get('RAY_ADDRESS')\n")
     got = private_reaches(pkg)
     kinds = ["from ray._private", "from ray.train import _x", "import ray._raylet", "sys.modules", "vars(deepspeed.ops)",
-             "module global set", ".data._metric_objs"[6:]]
+             "module global set", ".data._metric_objs"[6:], "environment variable RAY_TRAIN_V2_ENABLED",
+             "engine attribute set: self.engine.global_steps"]
     for kind in kinds:
         assert any(kind in line for line in got), (kind, got)
     assert not any("_stop_timeout" in line for line in got)  # assigned here, so "ours" to this toy tree
+    assert not any("RAY_ADDRESS" in line for line in got)  # documented
 
 
 def test_every_reach_is_registered_against_the_pinned_version():

@@ -31,8 +31,9 @@ from raytrain.ckpt.restore import refusal
 from raytrain.ckpt.snapshot_actor import NAMESPACE, actor_name, node_actor, run_actors
 from raytrain.ckpt.snapshot_interval import SnapshotInterval
 from raytrain.ckpt.state import TrainState, rng_state, set_rng_state
-from raytrain.internals.deepspeed import (is_zero_optimizer, zero_check, zero_load, zero_reshard, zero_reshard_possible,
-                                         zero_reshard_sources, zero_state)
+from raytrain.internals.deepspeed import (engine_counters_settable, is_zero_optimizer, set_engine_counters, zero_check,
+                                         zero_load, zero_reshard, zero_reshard_possible, zero_reshard_sources,
+                                         zero_state)
 
 FORMAT = 1  # the state dict's shape inside a snapshot; a restore refuses other versions
 
@@ -44,6 +45,8 @@ def engine_kind(engine) -> Optional[str]:
     import torch
 
     opt = engine.optimizer
+    if not engine_counters_settable():
+        return None
     if is_zero_optimizer(opt):
         return "zero"
     if isinstance(opt, torch.optim.Optimizer) and type(opt).__module__.startswith("torch."):
@@ -94,9 +97,7 @@ def apply(engine, sd: dict) -> TrainState:
         engine.optimizer.load_state_dict(sd["optimizer"])
     if sd["lr_scheduler"] is not None and engine.lr_scheduler is not None:
         engine.lr_scheduler.load_state_dict(sd["lr_scheduler"])
-    engine.global_steps = sd["engine"]["global_steps"]
-    engine.global_samples = sd["engine"]["global_samples"]
-    engine.skipped_steps = sd["engine"]["skipped_steps"]
+    set_engine_counters(engine, sd["engine"])
     if sd["rng"] is not None:  # (None: a rank new at this size keeps its seed)
         set_rng_state(sd["rng"])
     return TrainState.from_dict(sd["train_state"])

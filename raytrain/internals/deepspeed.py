@@ -38,6 +38,12 @@ ZERO_RESHARD = register(
          "instead of everything since the last storage checkpoint",
     fallback="a change of size restores from the newest storage checkpoint (through DeepSpeed's universal form)")
 
+ENGINE_COUNTERS = register(
+    "deepspeed.engine_counters", package="deepspeed", written_for=V,
+    gain="a restore from host memory puts the engine's step and sample counters back (DeepSpeed sets them only "
+         "when it loads its own checkpoint files), so its schedules and logs go on from the restored step",
+    fallback="memory snapshots off; a restart restores from the newest storage checkpoint")
+
 ZERO_CLASSES = ("DeepSpeedZeroOptimizer", "DeepSpeedZeroOptimizer_Stage3")
 
 
@@ -105,6 +111,18 @@ def zero_load(opt, state: dict) -> None:
         opt.update_lp_params()  # ZeRO-1/2: the 16-bit weights from the fp32 partitions (ZeRO-3 does it inside)
     if hasattr(opt, "checkpoint_event_epilogue"):
         opt.checkpoint_event_epilogue()
+
+
+def engine_counters_settable() -> bool:
+    """Whether a restore from host memory may set the engine's counters (the gate of the reach)."""
+    return gate(ENGINE_COUNTERS)
+
+
+def set_engine_counters(engine, counters: dict) -> None:
+    """The engine's global_steps, global_samples and skipped_steps, as captured."""
+    engine.global_steps = counters["global_steps"]
+    engine.global_samples = counters["global_samples"]
+    engine.skipped_steps = counters["skipped_steps"]
 
 
 def zero_reshard_possible() -> bool:

@@ -6,6 +6,7 @@ Nothing here imports Ray at module import: callers decide when Ray is loaded.
 from __future__ import annotations
 
 import hmac
+import os
 from typing import Optional
 
 from raytrain.internals.registry import fell_back, gate, guarded, register
@@ -46,6 +47,35 @@ AUTH_CHECK = register(
     "ray.auth_token_check", package="ray", written_for=V,
     gain="the serving admin endpoints check Ray's own token the way Ray does",
     fallback="fails closed: admin requests need 'Authorization: Bearer <this machine's Ray token>'")
+
+ENV_KNOBS = register(
+    "ray.internal_env", package="ray", written_for=V,
+    gain="Ray-internal environment variables: Ray Train's worker poll at 0.5 s instead of 2 s (a dead worker and "
+         "the end of every run are seen at the next poll: up to 1.5 s of every restart), and telling a driver that "
+         "runs inside `ray job submit` (whose runtime_env already carries the S3 settings: Ray refuses a merge that "
+         "sets them again)",
+    fallback="Ray Train polls at its default; a driver inside a job is told by RAY_SUBMISSION_ID alone")
+# Ray's own names of the variables (its internal constants: their names change without notice).
+HEALTH_CHECK_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
+PREEMPTION_POLL_ENV = "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S"
+JOB_CONFIG_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
+
+
+def set_worker_poll_s(seconds: float) -> None:
+    """Ray Train's controller polls its workers this often (Ray passes the driver's value on to the controller); a
+    value the user set wins."""
+    if gate(ENV_KNOBS):
+        os.environ.setdefault(HEALTH_CHECK_ENV, str(seconds))
+
+
+def preemption_poll_s(default: float = 5.0) -> float:
+    """How often Ray Train relays a drain to its workers, as set for this process (drills shorten it)."""
+    return float(os.environ.get(PREEMPTION_POLL_ENV, default)) if gate(ENV_KNOBS) else default
+
+
+def in_ray_job() -> bool:
+    """Whether this driver runs inside `ray job submit`."""
+    return bool((gate(ENV_KNOBS) and os.environ.get(JOB_CONFIG_ENV)) or os.environ.get("RAY_SUBMISSION_ID"))
 
 
 def local_preemption_info():
