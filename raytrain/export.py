@@ -209,7 +209,7 @@ def export(ckpt_uri: str, out_uri: str, tokenizer: Optional[str] = None, force: 
     with tempfile.TemporaryDirectory(prefix="raytrain-export-") as d:
         write_model_dir(ck, ck.model, d, params=n_params)
         lin = lineage.build(ck.uri, tokenizer)  # lineage.json: where the model came from (raytrain/lineage.py)
-        lineage.write(d, lin)
+        lineage.write(d, lin)  # last: it lists every file's sha256
         # The release gate in miniature: what we wrote must load with stock transformers and be the same size.
         reloaded = param_count(AutoModelForCausalLM.from_pretrained(d))
         if reloaded != n_params:
@@ -242,12 +242,12 @@ def export_adapter(ckpt_uri: str, out_uri: str, *, tokenizer: Optional[str], log
         ck.model.save_pretrained(d)  # adapter_config.json + adapter_model.safetensors
         base = ck.model.unload()  # the frozen base, without the adapter layers
         write_model_dir(ck, base, d, params=param_count(base), adapter_params=n_adapter)
-        lin = lineage.build(ck.uri, tokenizer)
-        lineage.write(d, lin)
         for f in ("config.json", "model.safetensors", "generation_config.json"):
             os.remove(os.path.join(d, f))  # the base's, written by write_model_dir: they live in base/ (or init_from)
         if not init_from:
             write_model_dir(ck, base, os.path.join(d, BASE_DIR), params=param_count(base))
+        lin = lineage.build(ck.uri, tokenizer)
+        lineage.write(d, lin)  # last: it lists every file's sha256
         files = sorted(os.listdir(d))
         storage.upload_dir(d, out_uri)
     run_event(ck.uri.rsplit("/", 1)[0], "export", checkpoint=ck.uri, step=ck.step, out=out_uri, params=n_adapter,

@@ -19,9 +19,10 @@ from raytrain.data.manifest import MANIFEST
 from raytrain.errors import UserError
 
 LINEAGE = "lineage.json"  # in an exported model directory, beside raytrain_export.json
+MODEL_AT = "_read_from"  # resolve(): the model directory a lineage was read from (never written)
 VERSION = 1
 PACKAGES = ("raytrain", "torch", "ray", "deepspeed", "transformers")
-CHANGED = ("changed", "missing", "unreadable")  # verify() statuses that mean "not what the model was trained on"
+CHANGED = ("changed", "missing", "unreadable", "edited")  # verify() statuses: "not what the model was trained on"
 _BLOCK = 1 << 20
 
 
@@ -57,7 +58,8 @@ def build(ckpt_uri: str, tokenizer_uri: Optional[str] = None) -> dict:
 
 def lineage_id(lin: dict) -> str:
     """Short sha256 of the lineage's canonical JSON (without its id)."""
-    canon = json.dumps({k: v for k, v in lin.items() if k != "id"}, sort_keys=True, separators=(",", ":"))
+    canon = json.dumps({k: v for k, v in lin.items() if k not in ("id", MODEL_AT)}, sort_keys=True,
+                       separators=(",", ":"))
     return hashlib.sha256(canon.encode()).hexdigest()[:16]
 
 
@@ -137,7 +139,14 @@ def base_entry(init_from: Optional[str]) -> Optional[dict]:
 
 
 def write(model_dir: str, lin: dict) -> str:
-    """lineage.json into a local model directory; its path."""
+    """lineage.json into a local model directory, once every other file of it is there: it lists their sizes and
+    sha256 (`weights`: the weights, config and tokenizer as exported) and its id covers them, so a replaced weight
+    file is found, and so is a lineage.json rewritten to match it (its id then differs from the export's audit
+    record's). Sets lin's `weights` and `id`; returns the path."""
+    lin["weights"] = {os.path.relpath(os.path.join(root, f), model_dir): digest(os.path.join(root, f))
+                      for root, _, files in os.walk(model_dir) for f in sorted(files)
+                      if os.path.relpath(os.path.join(root, f), model_dir) != LINEAGE}
+    lin["id"] = lineage_id(lin)
     path = os.path.join(model_dir, LINEAGE)
     with open(path, "w") as f:
         json.dump(lin, f, indent=1)
@@ -169,7 +178,8 @@ def model_id(model_uri: str) -> Optional[str]:
 
 def resolve(target: str) -> tuple[dict, str]:
     """(lineage, what it is) of an exported model directory, a checkpoint, a run directory (its newest complete
-    checkpoint) or RUN@TAG; nothing is exported. One-line UserError for anything else."""
+    checkpoint) or RUN@TAG; nothing is exported. One-line UserError for anything else. An exported model's lineage
+    carries where it was read (`MODEL_AT`, not part of it) for the checks of its own files."""
     base, tag = target, None
     if "@" in target.rstrip("/").rsplit("/", 1)[-1]:
         base, tag = target.rsplit("@", 1)
@@ -179,7 +189,7 @@ def resolve(target: str) -> tuple[dict, str]:
     if tag is None:
         lin = read(uri)
         if lin is not None:
-            return lin, f"model {uri}"
+            return {**lin, MODEL_AT: uri}, f"model {uri}"
         if any(storage.exists(storage.join(uri, f)) for f in ("config.json", "adapter_config.json")):
             raise UserError(f"{uri} is a model exported without lineage (no {LINEAGE}); export its checkpoint again "
                             f"with `raytrain export --force`, or pass its run directory")
@@ -243,6 +253,8 @@ def recorded(lin: dict, where: str = "") -> Iterator[tuple[str, str, dict]]:
     """(kind, where, record) of everything the lineage vouches for, its base's chain included: kind is input,
     manifest, tokenizer or base; where names the run ("ft" or "ft > base run")."""
     where = f"{where} > {lin['run']['name']}" if where else lin["run"]["name"]
+    for rel, rec in sorted((lin.get("weights") or {}).items()) if lin.get(MODEL_AT) else ():
+        yield "weights", where, {**rec, "uri": storage.join(lin[MODEL_AT], rel)}
     for split in lin.get("data", []):
         if split["manifest"].get("sha256"):
             yield "manifest", where, split["manifest"]
@@ -284,12 +296,34 @@ def verify(lin: dict) -> list[dict]:
 
 def check(lin: dict) -> list[dict]:
     """What changed since the lineage was recorded (its base chain included): verify()'s records that are
-    changed, missing or unreadable, one per URI."""
-    out, seen = [], set()
+    changed, missing or unreadable, one per URI, and an exported model's lineage.json edited (integrity)."""
+    out, seen = integrity(lin), set()
     for r in verify(lin):
         if r["status"] in CHANGED and (r["kind"], r["uri"]) not in seen:
             seen.add((r["kind"], r["uri"]))
             out.append(r)
+    return out
+
+
+def integrity(lin: dict) -> list[dict]:
+    """An exported model's lineage.json against itself (its id is the hash of its content) and against the export's
+    audit record in its run (the lineage id written when it was exported): [{kind: lineage, status: edited, ...}]."""
+    at = lin.get(MODEL_AT)
+    if not at:
+        return []
+    uri, out = storage.join(at, LINEAGE), []
+    bad = lambda detail: {"kind": "lineage", "where": lin["run"]["name"], "uri": uri, "status": "edited",  # noqa: E731
+                          "was": None, "now": None, "detail": detail}
+    if lineage_id(lin) != lin["id"]:
+        out.append(bad(f"its id {lin['id']} is not the hash of its content ({lineage_id(lin)})"))
+    from raytrain import audit
+
+    exports = [r for r in audit.read(audit.run_root(lin["run"]["uri"])) + audit.read(
+               audit.legacy_run_root(lin["run"]["uri"])) if r.get("kind") == "export"
+               and storage.absolute(str(r.get("out", ""))).rstrip("/") == at.rstrip("/")]
+    if exports and all(r.get("lineage") != lin["id"] for r in exports):
+        out.append(bad(f"the export's audit record names lineage {exports[-1].get('lineage')}, {LINEAGE} "
+                       f"{lin['id']}: it was rewritten after the export"))
     return out
 
 
@@ -321,5 +355,12 @@ def _base_status(rec: dict) -> dict:
     except UserError as e:
         return {"status": "unreadable", "was": was, "now": None, "detail": str(e)}
     now = lin.get("id") if lin else None
-    return {"status": "ok" if now == rec["id"] else "changed", "was": was, "now": {"id": now},
-            "detail": "" if now == rec["id"] else f"its {LINEAGE} now has id {now}"}
+    if now != rec["id"]:
+        return {"status": "changed", "was": was, "now": {"id": now}, "detail": f"its {LINEAGE} now has id {now}"}
+    # By content too: the base's files as its lineage (embedded when the fine-tune was exported) listed them.
+    for rel, want in sorted(((rec.get("lineage") or {}).get("weights") or {}).items()):
+        got = digest(storage.join(rec["uri"], rel))
+        if got.get("sha256") != want.get("sha256"):
+            return {"status": "changed", "was": was, "now": {"id": now}, "detail": f"its file {rel} "
+                    + (f"is {got['status']}" if "status" in got else "has other content")}
+    return {"status": "ok", "was": was, "now": {"id": now}, "detail": ""}

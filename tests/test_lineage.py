@@ -57,3 +57,49 @@ def test_lineage_of_what_is_not_a_model_or_run_is_one_line_and_exit_2(tmp_path, 
         assert main(["lineage", str(target)]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("raytrain: error: ") and says in err, err
+
+
+def _exported(tmp_path: Path, name: str, run: Path) -> tuple[Path, dict]:
+    """A model directory as `raytrain export` leaves it (weights, config, then lineage.json over them), by hand."""
+    d = tmp_path / name
+    (d / "sub").mkdir(parents=True)
+    (d / "model.safetensors").write_bytes(b"weights " * 100)
+    (d / "config.json").write_text("{}")
+    (d / "sub" / "tokenizer.json").write_text("{}")
+    lin = {"run": {"name": name, "uri": str(run)}, "checkpoint": {"uri": str(run / "checkpoint_00000004"), "step": 4},
+           "config": {"sha256": "0" * 64}, "data": [], "tokenizer": None, "packages": {}, "base": None}
+    lineage.write(str(d), lin)
+    return d, lin
+
+
+def test_an_exported_models_files_are_checked_by_sha256_and_a_rewritten_lineage_is_found(tmp_path, capsys):
+    """lineage.json lists every file of the export (sha256) and its id covers them: a replaced weight file is
+    reported (exit 1); rewriting lineage.json to match it changes its id, which the export's audit record does not
+    name; keeping the old id leaves an id that is not the hash of the content. A fine-tune's base is checked by
+    its files' content, not only its lineage id."""
+    from raytrain import audit
+
+    run = tmp_path / "run"
+    d, lin = _exported(tmp_path, "model", run)
+    assert set(lin["weights"]) == {"model.safetensors", "config.json", "sub/tokenizer.json"}
+    audit.run_event(str(run), "export", out=str(d), lineage=lin["id"])
+    assert main(["lineage", str(d)]) == 0
+    assert "files 3" in capsys.readouterr().out
+    (d / "model.safetensors").write_bytes(b"poisoned" * 100)
+    assert main(["lineage", str(d)]) == 1
+    assert "CHANGED  weights " + str(d / "model.safetensors") in capsys.readouterr().out
+    lineage.write(str(d), json.loads((d / "lineage.json").read_text()))  # lineage.json rewritten to match
+    assert main(["lineage", str(d)]) == 1
+    out = capsys.readouterr().out
+    assert "EDITED  lineage" in out and f"the export's audit record names lineage {lin['id']}" in out
+    forged = json.loads((d / "lineage.json").read_text())
+    (d / "lineage.json").write_text(json.dumps({**forged, "id": lin["id"]}))  # ... keeping the old id
+    assert main(["lineage", str(d)]) == 1
+    assert "is not the hash of its content" in capsys.readouterr().out
+    base_dir, base = _exported(tmp_path, "base", tmp_path / "pre")
+    ft = {"run": {"name": "ft"}, "data": [], "tokenizer": None,
+          "base": {"uri": str(base_dir), "id": base["id"], "lineage": base}}
+    assert lineage.check(ft) == []
+    (base_dir / "sub" / "tokenizer.json").write_text('{"x": 1}')  # the base's lineage.json untouched
+    (r,) = lineage.check(ft)
+    assert (r["kind"], r["status"]) == ("base", "changed") and "sub/tokenizer.json" in r["detail"]

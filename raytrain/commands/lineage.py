@@ -62,6 +62,10 @@ def describe(lin: dict, indent: str = "  ") -> list[str]:
         for i in s.get("inputs") or []:
             extra = f", Python {i['python']}" if i.get("python") else ""
             out.append(f"{indent}  input {i.get('uri')} {i.get('bytes')} bytes sha256 {i.get('sha256')}{extra}")
+    if lin.get("weights"):
+        total = sum(r.get("bytes") or 0 for r in lin["weights"].values())
+        out.append(f"{indent}files {len(lin['weights'])} ({total:,} bytes) with their sha256: "
+                   + ", ".join(sorted(lin["weights"])[:6]) + (" ..." if len(lin["weights"]) > 6 else ""))
     tok = lin.get("tokenizer") or {}
     out.append(f"{indent}tokenizer {tok.get('uri')} sha256 {tok.get('sha256')}")
     out.append(f"{indent}packages " + ", ".join(f"{k} {v}" for k, v in lin.get("packages", {}).items()))
