@@ -143,9 +143,12 @@ def write(model_dir: str, lin: dict) -> str:
     sha256 (`weights`: the weights, config and tokenizer as exported) and its id covers them, so a replaced weight
     file is found, and so is a lineage.json rewritten to match it (its id then differs from the export's audit
     record's). Sets lin's `weights` and `id`; returns the path."""
+    # Not the export's own metadata (raytrain_export.json: when it was made): two exports of one checkpoint are one
+    # model, with one id (`raytrain serve` exports a run's checkpoint itself and names the same lineage).
+    skip = {LINEAGE, "raytrain_export.json"}
     lin["weights"] = {os.path.relpath(os.path.join(root, f), model_dir): digest(os.path.join(root, f))
                       for root, _, files in os.walk(model_dir) for f in sorted(files)
-                      if os.path.relpath(os.path.join(root, f), model_dir) != LINEAGE}
+                      if os.path.relpath(os.path.join(root, f), model_dir) not in skip}
     lin["id"] = lineage_id(lin)
     path = os.path.join(model_dir, LINEAGE)
     with open(path, "w") as f:
