@@ -362,6 +362,7 @@ class EvalSection(Section):
     num_fewshot: Optional[int] = Field(None, ge=0, description="few-shot examples (the harness's --num_fewshot); null: each task's default")
     include_path: Optional[str] = Field(None, description="a directory of your own task YAMLs (the harness's --include_path), readable on every node; relative paths are resolved at submit")
     batch_size: int = Field(1, ge=1, description="the harness's --batch_size (1, its default, gives its CLI's numbers exactly)")
+    clean_subset: Optional[str] = Field(None, description="a --clean-out file of `raytrain data contamination` ({task: indexes of its clean examples}): each task listed there is also scored on those examples only, reported as <task>/clean beside the whole")
     resources: Optional[dict[str, float]] = Field(None, description="Ray resources of each evaluation task, e.g. {CPU: 4, GPU: 1}; null: 1 CPU, and 1 GPU where the cluster has GPUs, so it never shares a training worker's device")
     wait_at_end_s: float = Field(600.0, ge=0.0, description="the end of training waits this long for evaluations still running, to log their results; later ones are logged by the next resume")
 

@@ -32,13 +32,16 @@ def metric_values(task_result: dict) -> dict[str, float]:
 
 
 def run_harness(model_dir: str, *, tasks: list[str], limit: Optional[int], num_fewshot: Optional[int],
-                include_path: Optional[str], batch_size: int, device: str) -> dict:
+                include_path: Optional[str], batch_size: int, device: str,
+                samples: Optional[dict[str, list[int]]] = None) -> dict:
     """The harness's `simple_evaluate` on a Hugging Face model directory: {task: {metric: value}} plus its samples
-    counts and version. The arguments are the CLI's for `--model hf --model_args pretrained=<dir>`."""
+    counts and version. The arguments are the CLI's for `--model hf --model_args pretrained=<dir>`; `samples`: only
+    these documents of each task (the harness's --samples, instead of --limit)."""
     offline()
     lm_eval = harness()
     res = lm_eval.simple_evaluate(model="hf", model_args={"pretrained": model_dir}, tasks=list(tasks),
-                                  num_fewshot=num_fewshot, limit=limit, batch_size=batch_size, device=device,
+                                  num_fewshot=num_fewshot, limit=None if samples else limit, samples=samples,
+                                  batch_size=batch_size, device=device,
                                   task_manager=task_manager(include_path, tasks), log_samples=False)
     return {"metrics": {t: metric_values(res["results"][t]) for t in tasks},
             "n_samples": {t: res.get("n-samples", {}).get(t) for t in tasks},
@@ -83,13 +86,35 @@ def evaluate_model(*, checkpoint: Optional[str], model_dir: Optional[str], eval_
             step = _export_meta(model_dir).get("step")
         from raytrain.model import local_model_dir
 
-        out = run_harness(local_model_dir(model_dir), tasks=eval_cfg.tasks, limit=eval_cfg.limit,
-                          num_fewshot=eval_cfg.num_fewshot, include_path=eval_cfg.include_path,
-                          batch_size=eval_cfg.batch_size, device=device)
+        kw = dict(num_fewshot=eval_cfg.num_fewshot, include_path=eval_cfg.include_path,
+                  batch_size=eval_cfg.batch_size, device=device)
+        out = run_harness(local_model_dir(model_dir), tasks=eval_cfg.tasks, limit=eval_cfg.limit, **kw)
+        clean = {t: ids for t, ids in clean_subset(eval_cfg.clean_subset).items() if t in eval_cfg.tasks and ids}
+        if clean:  # the same tasks on their uncontaminated examples only, beside the whole
+            got = run_harness(local_model_dir(model_dir), tasks=list(clean), limit=None, samples=clean, **kw)
+            out["metrics"].update({f"{t}/clean": m for t, m in got["metrics"].items()})
+            out["n_samples"].update({f"{t}/clean": n for t, n in got["n_samples"].items()})
     out.update(step=step, source=checkpoint or model_dir, written=[])
     if run_uri is not None and step is not None:
         out["written"] = write_results(run_uri, step, out, source=out["source"], settings=settings)
     return out
+
+
+def clean_subset(uri: Optional[str]) -> dict[str, list[int]]:
+    """{task: indexes of its clean examples} from a `raytrain data contamination --clean-out` file ({} for None);
+    a missing or malformed one is a one-line UserError."""
+    if not uri:
+        return {}
+    try:
+        got = json.loads(storage.read_text(storage.absolute(uri)))
+    except (OSError, ValueError) as e:
+        raise UserError(f"eval.clean_subset={uri}: not a readable JSON file ({type(e).__name__}); write it with "
+                        "`raytrain data contamination DATA --tasks ... --clean-out FILE`") from None
+    if not isinstance(got, dict) or not all(isinstance(v, list) and all(isinstance(i, int) for i in v)
+                                            for v in got.values()):
+        raise UserError(f"eval.clean_subset={uri}: expected {{task: [example indexes]}}, as `raytrain data "
+                        "contamination --clean-out` writes")
+    return got
 
 
 def _export_meta(model_dir: str) -> dict:
@@ -154,8 +179,10 @@ def run_eval_command(args, *, log: Callable[[str], None] = print) -> dict:
     if (args.checkpoint is None) == (args.model is None):
         raise UserError("pass exactly one of --checkpoint URI or --model DIR")
     eval_cfg = EvalSection(tasks=[t for t in args.tasks.split(",") if t], limit=args.limit,
-                           num_fewshot=args.num_fewshot, include_path=args.include_path, batch_size=args.batch_size)
+                           num_fewshot=args.num_fewshot, include_path=args.include_path, batch_size=args.batch_size,
+                           clean_subset=args.clean)
     check_tasks(eval_cfg.tasks, eval_cfg.include_path)
+    clean_subset(eval_cfg.clean_subset)  # a bad file: one line now, not in the evaluation task
     check_address("eval")
     run_uri = storage.absolute(args.checkpoint).rsplit("/", 1)[0] if args.checkpoint else run_of_export(args.model)
     if run_uri is not None and not storage.exists(run_uri):

@@ -85,3 +85,33 @@ def test_contamination_bad_input(planted, capsys):
     assert "no_such_task" in err and err.count("\n") == 1
     assert main(["data", "contamination", str(out)]) == 2
     assert "--tasks" in capsys.readouterr().err
+
+
+def test_contaminated_examples_are_counted_as_brute_force_counts_them_and_the_clean_subset_is_the_rest(planted, tmp_path,
+                                                                                                     capsys):
+    """Per evaluation example: which share a 13-word n-gram with a document the split holds (the five planted
+    questions), as a brute-force comparison of every example's n-grams with every input document finds; the clean
+    subset written by --clean-out holds exactly the others."""
+    import re
+
+    d, out, _ = planted
+    clean = tmp_path / "clean.json"
+    rc = main(["data", "contamination", str(out), "--tasks", "planted_qa", "--include-path", str(d / "tasks"),
+               "--json", "--clean-out", str(clean)])
+    got = json.loads(capsys.readouterr().out)
+    assert rc == 1
+    qa = [json.loads(x) for x in (d / "qa.jsonl").read_text().splitlines()]
+
+    def ngrams(text: str) -> set:
+        w = re.findall(r"[^\W_]+", text.lower())
+        return {tuple(w[i:i + 13]) for i in range(len(w) - 12)}
+
+    docs = [json.loads(x)["text"] for x in (d / "in" / "mixed.jsonl").read_text().splitlines()]
+    docs += [p.read_text() for p in sorted((d / "in").glob("*.txt"))]
+    train = set().union(*(ngrams(t) for t in docs))
+    brute = {i for i, q in enumerate(qa) if ngrams(f"{q['question']} yes") & train}
+    rec = got["by_source"]["planted_qa"]
+    assert rec["examples"] == 12 and set(rec["contaminated"]) == brute and len(brute) == 5
+    assert json.loads(clean.read_text()) == {"planted_qa": sorted(set(range(12)) - brute)}
+    main(["data", "contamination", str(out), "--tasks", "planted_qa", "--include-path", str(d / "tasks")])
+    assert "planted_qa: 5 of 12 example(s) contaminated, 7 clean" in capsys.readouterr().out

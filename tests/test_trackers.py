@@ -362,6 +362,22 @@ def test_downstream_evaluation_equals_the_harness_cli_on_the_same_export(mlflow_
     for metric in ("acc", "acc_norm", "acc_stderr"):
         assert during[metric] == command[metric] == cli[f"{metric},none"], metric
     assert "raytrain_tiny_mc             acc" in printed  # the table
+    # Scored on a clean subset too (raytrain data contamination --clean-out): its 8 first documents are the
+    # --limit 8 ones, so the clean figures equal the whole's; a subset of 3 is scored on 3.
+    clean = tmp_path / "clean.json"
+    for ids, want in ((list(range(8)), command), ([1, 4, 6], None)):
+        clean.write_text(json.dumps({"raytrain_tiny_mc": ids, "another_task": [0]}))
+        assert main(["eval", "--model", str(out), "--tasks", "raytrain_tiny_mc", "--include-path", str(lm_eval_tasks),
+                     "--limit", "8", "--clean", str(clean), "--json"]) == 0
+        printed = capsys.readouterr().out
+        got = json.loads(printed[printed.index("\n{") + 1:])
+        assert got["n_samples"]["raytrain_tiny_mc/clean"]["effective"] == len(ids), got["n_samples"]
+        if want is not None:
+            assert got["metrics"]["raytrain_tiny_mc/clean"]["acc"] == want["acc"]
+    clean.write_text("not json")
+    assert main(["eval", "--model", str(out), "--tasks", "raytrain_tiny_mc", "--include-path", str(lm_eval_tasks),
+                 "--clean", str(clean)]) == 2
+    assert "eval.clean_subset=" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("override,expect", [

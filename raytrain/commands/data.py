@@ -26,6 +26,8 @@ def add_parser(subparsers):
     d.add_argument("--include-path", default=None, help="contamination: a directory of your own lm-eval task YAMLs")
     d.add_argument("--file", action="append", default=[], help="contamination: an evaluation file (.txt a document "
                    "per line, .jsonl, .parquet); repeatable")
+    d.add_argument("--clean-out", default=None, help="contamination: write {task or file: indexes of its clean "
+                   "examples} (JSON) here: the subset to score apart")
     d.add_argument("--ngram", type=int, default=13, help="contamination: words in a shared n-gram (default 13)")
     return d
 
@@ -44,6 +46,7 @@ def run(args) -> int:
         print(json.dumps(t, indent=1) if args.json else render(t))
         return 0 if t["checksum_matches"] is not False else 1
     if args.action == "contamination":
+        from raytrain import storage
         from raytrain.data.contamination import build_index
         from raytrain.data.contamination_scan import scan
 
@@ -55,6 +58,9 @@ def run(args) -> int:
                                         include_path=args.include_path, n=args.ngram)
         got = scan(args.a, index=index, split=args.split)
         got["evaluation_sources"] = per_source
+        if args.clean_out:  # {task or file: the indexes of its clean examples}: what an evaluation scores apart
+            storage.write_text(storage.absolute(args.clean_out), json.dumps(
+                {src: rec["clean"] for src, rec in got["by_source"].items()}, indent=1))
         if args.json:
             print(json.dumps(got, indent=1))
         else:
@@ -62,6 +68,9 @@ def run(args) -> int:
                   f"{index.documents} evaluation document(s) ({', '.join(per_source)})")
             for f in got["contaminated"]:
                 print(f"  {f['source']}@{f['record']} ({f['hits']} n-gram(s)): {f['head'][:60]!r}")
+            for src, rec in got["by_source"].items():
+                print(f"{src}: {len(rec['contaminated'])} of {rec['examples']} example(s) contaminated, "
+                      f"{len(rec['clean'])} clean" + (f" (indexes in {args.clean_out})" if args.clean_out else ""))
         return 1 if got["contaminated"] else 0
     from raytrain.data.report import compare, drift_verdict
 

@@ -18,6 +18,8 @@ def add_parser(subparsers):
     ev.add_argument("--limit", type=int, default=None, help="--tasks: documents per task (the harness's --limit)")
     ev.add_argument("--num-fewshot", type=int, default=None, help="--tasks: few-shot examples per document")
     ev.add_argument("--include-path", default=None, help="--tasks: a directory of your own task YAMLs")
+    ev.add_argument("--clean", default=None, help="--tasks: also score each task on its clean examples only (a "
+                    "`raytrain data contamination --clean-out` file), reported as <task>/clean")
     ev.add_argument("--batch-size", type=int, default=1, help="--tasks: the harness's batch size (1: its CLI's default)")
     ev.add_argument("--json", action="store_true")
     return ev

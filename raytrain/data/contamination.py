@@ -52,11 +52,48 @@ def grams(w: np.ndarray, n: int) -> np.ndarray:
 
 @dataclass
 class NgramIndex:
-    """The n-grams of the evaluation documents: {length: sorted hashes} (length n, and shorter whole documents)."""
+    """The n-grams of the evaluation documents: {length: sorted hashes} (length n, and shorter whole documents); built
+    by `of_sources`, also which evaluation example each n-gram came from (`owners`: {length: (hashes sorted, the
+    example of each)}, `examples`: [(task or file, index in it)])."""
 
     n: int = DEFAULT_N
     by_len: dict = field(default_factory=dict)
     documents: int = 0
+    owners: dict = field(default_factory=dict)
+    examples: list = field(default_factory=list)
+
+    @classmethod
+    def of_sources(cls, texts: dict[str, list[str]], n: int = DEFAULT_N) -> "NgramIndex":
+        """The index of {task or file: its examples' texts}, which remembers the example of every n-gram."""
+        examples = [(src, i) for src, v in texts.items() for i in range(len(v))]
+        index = cls.of((t for v in texts.values() for t in v), n)
+        pairs: dict[int, tuple[list, list]] = {}
+        for e, t in enumerate(t for v in texts.values() for t in v):
+            w = words(t)
+            if len(w):
+                k = min(n, len(w))
+                g = grams(w, k)
+                hs, ex = pairs.setdefault(k, ([], []))
+                hs.append(g)
+                ex.append(np.full(len(g), e, np.int64))
+        for k, (hs, ex) in pairs.items():
+            h, e = np.concatenate(hs), np.concatenate(ex)
+            order = np.argsort(h, kind="stable")
+            index.owners[k] = (h[order], e[order])
+        index.examples = examples
+        return index
+
+    def examples_hit(self, text: str) -> list[int]:
+        """The evaluation examples (indexes into `examples`) that share an n-gram with the text (or lie whole in it,
+        when shorter than n words)."""
+        w = words(text)
+        out: set = set()
+        for k, (h, e) in self.owners.items():
+            g = grams(w, k)
+            lo, hi = np.searchsorted(h, g, "left"), np.searchsorted(h, g, "right")
+            for a, b in zip(lo[hi > lo], hi[hi > lo]):
+                out.update(e[a:b].tolist())
+        return sorted(out)
 
     @classmethod
     def of(cls, texts: Iterable[str], n: int = DEFAULT_N) -> "NgramIndex":
@@ -111,7 +148,7 @@ def build_index(*, tasks: list[str], files: list[str], include_path: Optional[st
     if not tasks and not files:
         raise UserError("contamination: name evaluation data with --tasks and / or --file")
     texts = {**(task_texts(tasks, include_path) if tasks else {}), **(file_texts(files) if files else {})}
-    index = NgramIndex.of((t for v in texts.values() for t in v), n)
+    index = NgramIndex.of_sources(texts, n)
     if not index.documents:
         raise UserError(f"contamination: the evaluation data ({', '.join(texts)}) has no words to look for")
     return index, {k: len(v) for k, v in texts.items()}

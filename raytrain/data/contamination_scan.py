@@ -24,7 +24,20 @@ def scan(uri: str, *, index: NgramIndex, split: str = "train") -> dict:
     for path in prov.document_tables():  # one table at a time: memory as one partition's hashes
         in_split |= hashes & set(prov.table(path, columns=["h"]).column("h").to_pylist())
     found = [f for f in flagged if key(f) in in_split]
-    return {"split": prov.uri, "ngram": index.n, "evaluation_documents": index.documents, "contaminated": found}
+    return {"split": prov.uri, "ngram": index.n, "evaluation_documents": index.documents, "contaminated": found,
+            "by_source": by_example(index, found)}
+
+
+def by_example(index: NgramIndex, found: list[dict]) -> dict:
+    """Per task or file: how many of its examples share an n-gram with a document of the split, which, and the
+    clean ones (the subset an evaluation scores to report a clean figure beside the whole)."""
+    hit = {e for f in found for e in f.get("examples") or ()}
+    out: dict = {}
+    for e, (src, i) in enumerate(index.examples):
+        rec = out.setdefault(src, {"examples": 0, "contaminated": [], "clean": []})
+        rec["examples"] += 1
+        rec["contaminated" if e in hit else "clean"].append(i)
+    return out
 
 
 def flag_inputs(cfg, index: NgramIndex) -> list[dict]:
@@ -61,7 +74,7 @@ def _flag_table(raw, index: NgramIndex):
 
     from raytrain.data.quality import normalise
 
-    out = {"source": [], "record": [], "h": [], "hits": [], "head": []}
+    out = {"source": [], "record": [], "h": [], "hits": [], "head": [], "examples": []}
     for text, src, rec in zip(raw.column("text").to_pylist(), raw.column("src").to_pylist(),
                               raw.column("rec").to_pylist()):
         if text is None:
@@ -74,6 +87,8 @@ def _flag_table(raw, index: NgramIndex):
             out["h"].append(hashlib.sha256(t.encode()).digest()[:16].hex())
             out["hits"].append(n)
             out["head"].append(t[:80])
+            out["examples"].append(index.examples_hit(t) if index.owners else [])
     return pa.table({"source": pa.array(out["source"], pa.string()), "record": pa.array(out["record"], pa.int64()),
                      "h": pa.array(out["h"], pa.string()), "hits": pa.array(out["hits"], pa.int64()),
-                     "head": pa.array(out["head"], pa.string())})
+                     "head": pa.array(out["head"], pa.string()),
+                     "examples": pa.array(out["examples"], pa.list_(pa.int64()))})
