@@ -32,7 +32,7 @@ def _read(path: str, what: str, kind: str) -> bytes:
         raise UserError(f"{what}: {kind} {path} cannot be read ({e.strerror}); make it readable by this user") from None
 
 
-def _certificate(path: str, what: str, kind: str = "certificate"):
+def load_certificate(path: str, what: str, kind: str = "certificate"):
     from cryptography import x509
 
     data = _read(path, what, kind)
@@ -61,7 +61,7 @@ def _encrypted(data: bytes) -> bool:
     return b"BEGIN ENCRYPTED PRIVATE KEY" in data or b"Proc-Type: 4,ENCRYPTED" in data  # PKCS#8 / traditional PEM
 
 
-def _check_unencrypted(key: str, what: str) -> bytes:
+def key_bytes(key: str, what: str) -> bytes:
     """The key file's bytes: readable and not encrypted with a passphrase (loading one would stop at OpenSSL's
     passphrase prompt, or fail deep inside Ray's processes, which read it unattended)."""
     data = _read(key, what, "key")
@@ -80,15 +80,15 @@ def _no_passphrase(key: str, what: str):
 
 def check_ca(ca: str, what: str) -> None:
     """A CA bundle: readable, PEM, in date."""
-    _check_dates(_certificate(ca, what, "CA certificate"), ca, what, "CA certificate")
+    _check_dates(load_certificate(ca, what, "CA certificate"), ca, what, "CA certificate")
 
 
 def check_pair(cert: str, key: str, what: str, ca: Optional[str] = None) -> None:
     """A server's certificate and key: each readable, the certificate PEM and in date, the key its key; with `ca`,
     the certificate signed by it."""
-    c = _certificate(cert, what)
+    c = load_certificate(cert, what)
     _check_dates(c, cert, what, "certificate")
-    _check_unencrypted(key, what)
+    key_bytes(key, what)
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     try:
         ctx.load_cert_chain(cert, key, password=_no_passphrase(key, what))
@@ -119,7 +119,7 @@ def server_context(cert: str, key: str) -> ssl.SSLContext:
 
 # --- making a cluster's CA and certificates (cryptography, which Ray's own TLS set-up uses too) ---------------------
 
-def _key():
+def new_key():
     from cryptography.hazmat.primitives.asymmetric import ec
 
     return ec.generate_private_key(ec.SECP256R1())
@@ -127,12 +127,14 @@ def _key():
 
 def _key_usage(key, ca: bool):
     """Key Usage (critical): a CA signs certificates and CRLs only; a leaf signs its handshakes, and with an RSA key
-    may also receive the key exchange's secret (TLS 1.2's RSA key transport), which an EC key cannot."""
+    may also receive the key exchange's secret (TLS 1.2's RSA key transport), which an EC key cannot. `key`: the
+    private key, or only its public half (a signing request's)."""
     from cryptography import x509
     from cryptography.hazmat.primitives.asymmetric import rsa
 
+    rsa_key = isinstance(key, (rsa.RSAPrivateKey, rsa.RSAPublicKey))
     return x509.KeyUsage(digital_signature=not ca, content_commitment=False,
-                         key_encipherment=not ca and isinstance(key, rsa.RSAPrivateKey), data_encipherment=False,
+                         key_encipherment=not ca and rsa_key, data_encipherment=False,
                          key_agreement=False, key_cert_sign=ca, crl_sign=ca, encipher_only=False,
                          decipher_only=False)
 
@@ -153,14 +155,17 @@ def _ca(ca_key, start, end):
             .sign(ca_key, hashes.SHA256()))
 
 
-def _leaf(ca, ca_key, key, hosts: list[str], start, end):
+def leaf_certificate(ca, ca_key, key, hosts: list[str], start, end):
     """A certificate for `hosts` (IP addresses and names), for server and client use (a Ray node is both), signed by
     the CA `ca` with its key. Every extension a strict verifier looks for: Authority Key Identifier (which of the
     CA's keys signed it; a strict client refuses a leaf without one), Subject Key Identifier, Key Usage, Basic
-    Constraints (not a CA), Extended Key Usage serverAuth + clientAuth."""
+    Constraints (not a CA), Extended Key Usage serverAuth + clientAuth. `key`: the leaf's private key, or its public
+    key alone (the signer's case: it never sees a node's private key)."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    pub = key.public_key() if hasattr(key, "public_key") else key
 
     names = []
     for h in hosts:
@@ -177,19 +182,19 @@ def _leaf(ca, ca_key, key, hosts: list[str], start, end):
         aki = x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key())
     return (x509.CertificateBuilder()
             .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0][:64])])).issuer_name(ca.subject)
-            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .public_key(pub).serial_number(x509.random_serial_number())
             .not_valid_before(start).not_valid_after(end)
             .add_extension(x509.SubjectAlternativeName(names), critical=False)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(_key_usage(key, ca=False), critical=True)
+            .add_extension(_key_usage(pub, ca=False), critical=True)
             .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
                            critical=False)
-            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(pub), critical=False)
             .add_extension(aki, critical=False)
             .sign(ca_key, hashes.SHA256()))
 
 
-def _write_key(path: str, key) -> None:
+def write_key(path: str, key) -> None:
     """The key, 0600 whatever was at `path` before: written to a new file made 0600 beside it, then renamed over
     it (a file rewritten in place would keep its old mode, perhaps readable by everyone; a crash leaves the old
     file or the new one, never half a key)."""
@@ -221,17 +226,17 @@ def make(out_dir: str, hosts: tuple[str, ...] = ("127.0.0.1", "localhost"), days
     os.makedirs(out_dir, exist_ok=True)
     start = not_before or datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(minutes=5)
     end = start + datetime.timedelta(days=days)
-    ca_key, key = _key(), _key()
+    ca_key, key = new_key(), new_key()
     ca = _ca(ca_key, start, end)
-    cert = _leaf(ca, ca_key, key, list(hosts), start, end)
+    cert = leaf_certificate(ca, ca_key, key, list(hosts), start, end)
     from cryptography.hazmat.primitives import serialization
 
     paths = {name: os.path.join(out_dir, name) for name in ("ca.crt", "ca.key", "server.crt", "server.key")}
     for name, c in (("ca.crt", ca), ("server.crt", cert)):
         with open(paths[name], "wb") as f:
             f.write(c.public_bytes(serialization.Encoding.PEM))
-    _write_key(paths["ca.key"], ca_key)
-    _write_key(paths["server.key"], key)
+    write_key(paths["ca.key"], ca_key)
+    write_key(paths["server.key"], key)
     return paths
 
 
@@ -248,7 +253,7 @@ def ray_env(tls_dir: str) -> dict:
             "RAY_TLS_SERVER_KEY": os.path.join(d, "server.key"), "RAY_TLS_CA_CERT": os.path.join(d, "ca.crt")}
 
 
-def _names(cert) -> list:
+def names_of(cert) -> list:
     from cryptography import x509
 
     try:
@@ -273,7 +278,7 @@ def _covers(names: list, host: str) -> bool:
 
 def check_hosts(cert: str, hosts, what: str) -> None:
     """The certificate names every one of `hosts` (Ray's gRPC clients check the address they dial against it)."""
-    names = _names(_certificate(cert, what))
+    names = names_of(load_certificate(cert, what))
     for h in hosts:
         if not _covers(names, h):
             raise UserError(f"{what}: certificate {cert} is not for {h} (it names {', '.join(names) or 'nothing'}); "
@@ -290,8 +295,8 @@ def sign_node(ca_dir: str, out_dir: str, hosts, days: int = 30, what: str = "tls
 
     ca_crt, ca_key_path = os.path.join(ca_dir, "ca.crt"), os.path.join(ca_dir, "ca.key")
     check_pair(ca_crt, ca_key_path, what)  # readable, in date, the key the CA's
-    ca = _certificate(ca_crt, what, "CA certificate")
-    ca_key = serialization.load_pem_private_key(_check_unencrypted(ca_key_path, what), password=None)
+    ca = load_certificate(ca_crt, what, "CA certificate")
+    ca_key = serialization.load_pem_private_key(key_bytes(ca_key_path, what), password=None)
     seen = []
     for h in [*hosts, "127.0.0.1", "localhost"]:
         h = h.strip()
@@ -300,11 +305,11 @@ def sign_node(ca_dir: str, out_dir: str, hosts, days: int = 30, what: str = "tls
     now = datetime.datetime.now(datetime.timezone.utc)
     start = now - datetime.timedelta(minutes=5)
     end = min(now + datetime.timedelta(days=days), ca.not_valid_after_utc)
-    key = _key()
-    cert = _leaf(ca, ca_key, key, seen, start, end)
+    key = new_key()
+    cert = leaf_certificate(ca, ca_key, key, seen, start, end)
     os.makedirs(out_dir, exist_ok=True)
     paths = {name: os.path.join(out_dir, name) for name in ("ca.crt", "server.crt", "server.key")}
-    _write_key(paths["server.key"], key)
+    write_key(paths["server.key"], key)
     with open(paths["server.crt"], "wb") as f:
         f.write(cert.public_bytes(serialization.Encoding.PEM))
     with open(paths["ca.crt"], "wb") as f:
@@ -349,7 +354,7 @@ def main(argv: list[str]) -> int:
         except UserError as e:
             print(f"{e}", file=sys.stderr)
             return 2
-        print(f"made {paths['server.crt']} for {', '.join(_names(_certificate(paths['server.crt'], 'tls')))} "
+        print(f"made {paths['server.crt']} for {', '.join(names_of(load_certificate(paths['server.crt'], 'tls')))} "
               f"(key {paths['server.key']}, 0600)")
         return 0
     p = argparse.ArgumentParser(prog="tls_certs.sh", description="make a cluster's CA and a certificate it signs")
