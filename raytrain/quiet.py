@@ -78,6 +78,11 @@ def quiet_worker() -> None:
     logging.getLogger().setLevel(logging.WARNING)
     for name in ("ray.train", "ray.data", "DeepSpeed", "torch.distributed"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    # An elastic run's ranks leave after a preemption notice's checkpoint (worker/preemption.py NoticeLeave): the
+    # controller's "reclaimed" line says so once; a traceback per rank would read as a failure.
+    from raytrain.internals.ray import quiet_planned_exits
+
+    quiet_planned_exits("NoticeLeave")
 
 
 @contextlib.contextmanager

@@ -345,3 +345,38 @@ def test_a_bad_value_of_the_switch_is_one_line_and_exit_2():
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and out.stderr.strip().count("\n") == 0, out.stderr
     assert "RAYTRAIN_INTERNALS='off' is not understood: set it to 'stock'" in out.stderr
+
+
+def test_a_planned_exit_is_not_logged_as_a_workers_error_and_other_errors_are(monkeypatch):
+    """An elastic run's ranks leave after a notice's checkpoint (NoticeLeave): Ray Train's "Error in training
+    function" line for it is dropped, once installed however often asked; any other error is logged; with the gate
+    closed nothing is dropped."""
+    import logging
+
+    from raytrain.internals import ray as rays
+    from raytrain.internals import registry
+
+    logger = logging.getLogger(rays._ERROR_LOGGER)
+    monkeypatch.setattr(logger, "filters", [])
+    got = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            got.append(record.getMessage())
+
+    handler = Keep()
+    logger.addHandler(handler)
+    try:
+        rays.quiet_planned_exits("NoticeLeave")
+        rays.quiet_planned_exits("NoticeLeave")
+        assert len(logger.filters) == 1
+        logger.error("Error in training function:\nraytrain.worker.preemption.NoticeLeave: rank 0: leaving")
+        logger.error("Error in training function:\nValueError: a real one")
+        assert got == ["Error in training function:\nValueError: a real one"]
+        logger.filters.clear()
+        monkeypatch.setenv(registry.FORCE_ENV, "stock")
+        monkeypatch.setattr(registry, "_WARNED", set())
+        rays.quiet_planned_exits("NoticeLeave")
+        assert logger.filters == []
+    finally:
+        logger.removeHandler(handler)

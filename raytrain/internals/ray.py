@@ -61,6 +61,29 @@ PREEMPTION_POLL_ENV = "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S"
 JOB_CONFIG_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
 
 
+PLANNED_EXIT_LOG = register(
+    "ray.train.error_log_filter", package="ray", written_for=V,
+    gain="a rank that leaves on purpose (an elastic run's ranks after a preemption notice's checkpoint) is not "
+         "logged as an error with its traceback, once per rank and reclaim, on the job's console",
+    fallback="Ray Train logs each such exit as 'Error in training function' with its traceback")
+# The module whose logger Ray Train reports a training function's exception with (ray/train/v2/_internal/util.py).
+_ERROR_LOGGER = "ray.train.v2._internal.util"
+
+
+def quiet_planned_exits(exception_name: str) -> None:
+    """Drop Ray Train's error lines for the exception named (a planned exit); other errors are logged as before."""
+    import logging
+
+    if not gate(PLANNED_EXIT_LOG):
+        return
+    logger = logging.getLogger(_ERROR_LOGGER)
+    if not any(getattr(f, "planned", None) == exception_name for f in logger.filters):
+        drop = logging.Filter()
+        drop.planned = exception_name
+        drop.filter = lambda record: exception_name not in record.getMessage()
+        logger.addFilter(drop)
+
+
 def set_worker_poll_s(seconds: float) -> None:
     """Ray Train's controller polls its workers this often (Ray passes the driver's value on to the controller); a
     value the user set wins."""
