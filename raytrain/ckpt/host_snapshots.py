@@ -191,7 +191,7 @@ class MemoryTier:
             return {"actor": None, "held": []}
         import ray
 
-        name = actor_name(self.run_uri, ray.get_runtime_context().get_node_id())
+        name = self.node_actor_name()
         try:
             self.actor = ray.get_actor(name, namespace=NAMESPACE)
         except ValueError:  # none on this node yet (a fresh start, or a new node): it starts while we build

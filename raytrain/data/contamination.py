@@ -65,22 +65,21 @@ class NgramIndex:
     @classmethod
     def of_sources(cls, texts: dict[str, list[str]], n: int = DEFAULT_N) -> "NgramIndex":
         """The index of {task or file: its examples' texts}, which remembers the example of every n-gram."""
-        examples = [(src, i) for src, v in texts.items() for i in range(len(v))]
-        index = cls.of((t for v in texts.values() for t in v), n)
+        index = cls(n, examples=[(src, i) for src, v in texts.items() for i in range(len(v))])
         pairs: dict[int, tuple[list, list]] = {}
         for e, t in enumerate(t for v in texts.values() for t in v):
             w = words(t)
             if len(w):
-                k = min(n, len(w))
-                g = grams(w, k)
-                hs, ex = pairs.setdefault(k, ([], []))
+                index.documents += 1
+                g = grams(w, min(n, len(w)))
+                hs, ex = pairs.setdefault(min(n, len(w)), ([], []))
                 hs.append(g)
                 ex.append(np.full(len(g), e, np.int64))
-        for k, (hs, ex) in pairs.items():
+        for k, (hs, ex) in pairs.items():  # one pass: the sorted pairs give the unique hashes too
             h, e = np.concatenate(hs), np.concatenate(ex)
             order = np.argsort(h, kind="stable")
             index.owners[k] = (h[order], e[order])
-        index.examples = examples
+            index.by_len[k] = np.unique(h)
         return index
 
     def examples_hit(self, text: str) -> list[int]:
