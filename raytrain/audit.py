@@ -317,6 +317,15 @@ def run_event(run_uri: str, kind: str, **fields: Any) -> dict:
     return rec
 
 
+def close_run_writers() -> bool:
+    """Write and anchor what run_event's writers of this process hold now (also done at exit): for a process whose
+    storage goes away before it ends. True when nothing is left unwritten."""
+    with _RUN_LOCK:
+        writers = list(_RUN_WRITERS.values())
+        _RUN_WRITERS.clear()
+    return all([w.close() for w in writers])
+
+
 # --- verify: are a run's (or a deployment's) records complete and unedited? --------------------------------------
 
 _NAME = re.compile(rf"^(?:{ANCHORS}/([^/]+)/(first|last-(\d{{8}}))\.json|([^/]+)/(\d{{8}}){re.escape(SUFFIX)})$")

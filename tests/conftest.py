@@ -52,6 +52,9 @@ def s3_server():
 
     boto3.client("s3").create_bucket(Bucket="raytrain-test")
     yield endpoint
+    from raytrain.audit import close_run_writers
+
+    close_run_writers()  # their last anchors now, while the server is up (at exit they would find no endpoint)
     proc.terminate()
     proc.wait(timeout=10)
     if os.path.exists(S3_RECORD):
@@ -61,6 +64,8 @@ def s3_server():
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+    # Nothing after this may reach a real S3 endpoint (an S3 URI's default is AWS): unreachable on loopback instead.
+    os.environ["AWS_ENDPOINT_URL"] = "http://127.0.0.1:1"
 
 
 @pytest.fixture(scope="session")

@@ -152,6 +152,13 @@ def test_ranks_agree_on_the_newest_step_any_node_holds_for_every_rank_not_below_
     assert agree_memory([rec(0, a), rec(1, b)], 2)[0] == 7
     assert agree_memory([rec(0, node("A", (0, 7, 56, 4, False))), rec(1, node("B", (1, 7, 56, None, False)))],
                         2) is None
+    # The rank that committed step 10 went with its node, and no surviving actor was told: storage's newest commit
+    # (rank 0's `stored`) is the floor, so the snapshots at 9 are not taken (step 10 would be redone, its
+    # committed checkpoint rewritten); at 10 they are.
+    a, b = node("A", (0, 9, 72, 8)), node("B", (1, 9, 72, None))
+    assert agree_memory([rec(0, a), rec(1, b)], 2)[0] == 9
+    assert agree_memory([{**rec(0, a), "stored": 10}, {**rec(1, b), "stored": None}], 2) is None
+    assert agree_memory([{**rec(0, a), "stored": 9}, rec(1, b)], 2)[0] == 9
 
 
 def test_peer_copy_outlives_its_node_and_release_removes_everything(ray_cluster, tmp_path):
