@@ -152,19 +152,19 @@ def test_ranks_agree_on_the_newest_step_any_node_holds_for_every_rank_not_below_
     assert agree_memory([rec(0, a), rec(1, b)], 2)[0] == 7
     assert agree_memory([rec(0, node("A", (0, 7, 56, 4, False))), rec(1, node("B", (1, 7, 56, None, False)))],
                         2) is None
-    # The rank that committed step 10 went with its node, and no surviving actor was told: storage's newest commit
-    # (rank 0's `stored`) is the floor, so the snapshots at 9 are not taken (step 10 would be redone, its
-    # committed checkpoint rewritten); at 10 they are.
-    a, b = node("A", (0, 9, 72, 8)), node("B", (1, 9, 72, None))
+    # Rank 0 committed step 10 after its snapshots at 9 and went with its node: the surviving actor was told (rank 0's
+    # actor passes a commit on to every node actor of the run), so the snapshots at 9 are not taken (step 10 would
+    # be redone and its committed checkpoint rewritten).
+    a, b = node("A", (0, 9, 72, 8), (1, 9, 72, None)), node("B", (1, 9, 72, None))
     assert agree_memory([rec(0, a), rec(1, b)], 2)[0] == 9
-    assert agree_memory([{**rec(0, a), "stored": 10}, {**rec(1, b), "stored": None}], 2) is None
-    assert agree_memory([{**rec(0, a), "stored": 9}, rec(1, b)], 2)[0] == 9
+    assert agree_memory([rec(0, a), rec(1, {**b, "committed": 10})], 2) is None
+    assert agree_memory([rec(0, a), rec(1, {**b, "committed": 9})], 2)[0] == 9
 
 
 def test_peer_copy_outlives_its_node_and_release_removes_everything(ray_cluster, tmp_path):
     """Node actors of one run (as on three nodes): a rank's generation copied to the partner is fetched from there
     after the first actor (its node) is gone, intact; a partner that went is replaced at the next copy (not 30 s
-    later); releasing the run leaves no actor and no file."""
+    later); a commit told to one actor reaches the others; releasing the run leaves no actor and no file."""
     import ray
 
     from raytrain.ckpt.snapshot_actor import NAMESPACE, NodeMemory, actor_name, file_prefix, release_run, run_actors
@@ -183,6 +183,12 @@ def test_peer_copy_outlives_its_node_and_release_removes_everything(ray_cluster,
     ray.kill(actors[partner])  # the partner's node is gone: this copy fails quietly, the next goes elsewhere at once
     assert ray.get(actors[first].replicate.remote(1, path)) is None
     assert ray.get(actors[first].replicate.remote(1, path)) == 6
+    # A commit told to one actor (rank 0's) reaches the others: the floor of a restore rank 0's node may miss.
+    ray.get(actors[first].note_committed.remote(10))
+    deadline = time.time() + 30
+    while ray.get(actors[other].holdings.remote(1))["committed"] != 10:
+        assert time.time() < deadline, "a commit was not passed on to the run's other node actors"
+        time.sleep(0.1)
     ray.kill(actors[first])  # the node is gone (its file stays: a leftover the release removes)
     assert ray.get(actors[other].fetch.remote(1, 3)) is None  # another world size's rank 1: not this one
     data = ray.get(actors[other].fetch.remote(1, 2))

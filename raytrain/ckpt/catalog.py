@@ -113,15 +113,6 @@ def _resumable(run_uri: str) -> list[str]:
     return uris if marker is None else [u for u in uris if step_of(u) <= marker["step"]]
 
 
-def newest_committed(run_uri: str) -> Optional[int]:
-    """The step of the newest checkpoint with a manifest (capped by a resume marker), or None: one listing and a
-    HEAD per checkpoint from the newest down, where latest_complete also lists every file."""
-    for uri in reversed(_resumable(run_uri)):
-        if storage.exists(storage.join(uri, MANIFEST)):
-            return step_of(uri)
-    return None
-
-
 def latest_complete(run_uri: str, log=None, deep: bool = False) -> Optional[CheckpointInfo]:
     """The newest checkpoint that verifies (sizes; sha256 too when deep); incomplete or corrupt newer
     ones are skipped with a warning.

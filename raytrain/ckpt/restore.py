@@ -11,7 +11,7 @@ from typing import Optional
 
 from raytrain import storage
 from raytrain.rundir import RunDir
-from raytrain.ckpt.catalog import complete_candidates, newest_committed
+from raytrain.ckpt.catalog import complete_candidates
 from raytrain.ckpt.layout import ENGINE_TAG, RESTORES, STATE, UNIVERSAL, UNIVERSAL_TAG, rng_file, step_of
 from raytrain.ckpt.node_cache import local_root, make_local, node_id, release, remove_stale
 from raytrain.ckpt.reshard import ensure_universal, universal_files
@@ -56,11 +56,7 @@ def find_memory_point(memory, rank: int, *, resizable: bool = True) -> Optional[
         return None
     t0 = time.perf_counter()
     world = _world()
-    # Rank 0 adds the newest checkpoint committed in storage: the node actors know only the commits their ranks
-    # told them, and the rank that committed may be gone with its node. A snapshot older than it is never taken
-    # (its steps would be redone and the committed checkpoint rewritten).
-    stored = newest_committed(memory.run_uri) if rank == 0 else None
-    recs = _all_gather({"rank": rank, "node": node_id(), **memory.holdings(), "stored": stored}, world)
+    recs = _all_gather({"rank": rank, "node": node_id(), **memory.holdings()}, world)
     agreed = newest_memory_point(recs, world) if resizable else agree_memory(recs, world)
     if agreed is not None and not resizable:  # only this size's snapshots: another's cannot be cut for this engine
         agreed = (*agreed, world, None)
@@ -137,7 +133,7 @@ def agree_memory(recs: list[dict], world: int, *, of_world: Optional[int] = None
     """(step, {rank: [(actor, path), ...] holding it}) for the newest step every rank's snapshot is held at, by
     some node, at one data position (`samples`: a rollback's timelines differ there), whose loss some rank judged
     (the loss is all-reduced: one rank's reading of it is every rank's), not below the newest committed checkpoint
-    rank 0's snapshots, any node's actor or storage (rank 0's `stored`) knew of; None when there is none. `recs`: one per rank, {"actor", "held":
+    rank 0's snapshots or any node's actor knew of; None when there is none. `recs`: one per rank, {"actor", "held":
     [[rank, step, samples, committed, path, judged, world], ...]} (ranks on one node send the same holdings; an
     entry without its world is of `world`). `of_world`: the snapshots a run of that size wrote (default: `world`)."""
     got = _agree(recs, world, world if of_world is None else of_world)
@@ -161,7 +157,7 @@ def _agree(recs: list[dict], world: int, of_world: int):
     counts every committed checkpoint told, whatever size wrote it."""
     by: dict[tuple[int, int], dict] = {}  # (rank, step) -> {samples: [(actor, path)]}
     judged: set[tuple[int, int]] = set()  # (step, samples) whose loss was read and found healthy
-    floor = max((r["stored"] for r in recs if r.get("stored") is not None), default=None)
+    floor = None
     for r in {r["actor"]: r for r in recs if r.get("actor")}.values():
         if r.get("committed") is not None:  # the newest committed checkpoint told to that node, any world size
             floor = r["committed"] if floor is None else max(floor, r["committed"])

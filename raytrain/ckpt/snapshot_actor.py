@@ -71,9 +71,23 @@ class NodeMemory:
         # size's snapshots are of a point the run has long passed).
         self.committed_high: Optional[int] = None
 
-    def note_committed(self, step: int) -> None:
-        """A storage checkpoint of the run is committed at `step`."""
-        self.committed_high = step if self.committed_high is None else max(self.committed_high, step)
+    def note_committed(self, step: int, forward: bool = True) -> None:
+        """A storage checkpoint of the run is committed at `step`; told by rank 0 (`forward`: passed on to every other
+        node actor of the run, so that a restore after rank 0's node is lost, which reads the survivors' actors
+        only, still never takes a snapshot older than it; a few small calls per commit, off the training loop)."""
+        if self.committed_high is not None and step <= self.committed_high:
+            return
+        self.committed_high = step
+        if not forward:
+            return
+        import ray
+
+        for name in run_actors(self.run_uri):
+            if name != self.name:
+                try:
+                    ray.get_actor(name, namespace=NAMESPACE).note_committed.remote(step, False)
+                except ValueError:  # gone since the listing (its node went)
+                    pass
 
     def segment(self, rank: int, gen: int, nbytes: int) -> Optional[str]:
         """The path of rank's generation `gen`, sized to at least nbytes; None when the budget or the free shared
