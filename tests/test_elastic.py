@@ -187,6 +187,7 @@ def test_a_node_reclaimed_with_notice_is_told_from_one_lost_without():
 
 
 # --- on a real cluster --------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_waiting_below_min_ends_after_max_wait_for_capacity_with_exit_status_3(ray_cluster, tiny_data, tmp_path):
     """The session cluster has 4 CPUs: a run whose MIN needs 5 workers of 1 CPU waits, then ends with its line."""
     cfg = tiny_cfg(tiny_data, tmp_path, "waits", "scaling.num_workers=[5,6]", "batch.global_batch_size=60",

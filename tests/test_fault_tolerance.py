@@ -56,6 +56,7 @@ def _writer(mode: str, on_failure: str = "warn", run_uri: str = "s3://outage/run
     return CheckpointWriter(c, run_uri=run_uri, rank=0, world=1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_store_stopped_during_upload_leaves_no_registered_checkpoint(frozen_s3, mode):
     w = _writer(mode)
@@ -82,6 +83,7 @@ def test_store_stopped_during_upload_leaves_no_registered_checkpoint(frozen_s3, 
     assert catalog.latest_complete("s3://outage/run").step == 15
 
 
+@pytest.mark.slow
 def test_upload_failure_stops_the_run_when_configured(frozen_s3):
     w = _writer("sync", on_failure="stop")
     os.kill(frozen_s3.pid, signal.SIGSTOP)
@@ -91,6 +93,7 @@ def test_upload_failure_stops_the_run_when_configured(frozen_s3):
     assert catalog.latest_complete("s3://outage/run") is None
 
 
+@pytest.mark.slow
 def test_async_upload_stalls_training_only_for_the_local_write(frozen_s3):
     """The async save returns while the store is frozen (only the local write is in front of training) and
     commits once the store answers again; the sync save returns only after the commit."""

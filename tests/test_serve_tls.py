@@ -120,6 +120,7 @@ def test_serve_and_check_refuse_bad_certificates_in_one_line(tiny_model, certs, 
     _one_line_error(capsys, "serve rollback: CA certificate", "expired on")
 
 
+@pytest.mark.slow
 def test_openai_client_gets_completions_and_chat_over_https(https_server, certs):
     import httpx
     from openai import OpenAI

@@ -65,6 +65,7 @@ def test_provenance_is_deterministic_and_keeps_the_first_copy(id_data, tmp_path)
     assert Provenance(str(out / "train")).spans(0)[0]["pos"] == 0
 
 
+@pytest.mark.slow
 def test_trace_names_every_document_of_a_step(ray_cluster, id_data, tmp_path, capsys):
     """2 workers: several steps' batches traced, each span equal token for token to its raw document, the rows
     covered, the checksum the run logged; --rank gives that rank's lanes; bad input is one line, exit 2."""

@@ -97,6 +97,7 @@ def mlflow_run(ray_cluster, tiny_data, tmp_path_factory, mlflow_server, lm_eval_
     return tmp_path / "runs" / "mlf", train(more, log=lambda *_: None, inject={"nan_at_step": 11}, callbacks=[reports])
 
 
+@pytest.mark.slow
 def test_one_tracker_run_each_through_a_crash_a_resize_and_a_rollback(mlflow_run, mlflow_server):
     """One MLflow run, step for step, and one W&B run id; each checkpoint's downstream evaluation logged once at its
     step, in MLflow too."""
@@ -132,6 +133,7 @@ def test_one_tracker_run_each_through_a_crash_a_resize_and_a_rollback(mlflow_run
     assert 1 <= len(runs) <= 3 and all(r.endswith(f"-{wandb_id}") for r in runs), runs
 
 
+@pytest.mark.slow
 def test_every_sink_gets_every_kind_of_record_through_a_crash_a_resize_and_a_rollback(mlflow_run, mlflow_server):
     """One path (worker/records.py's RecordWriter): metrics.jsonl, TensorBoard and the tracker (MLflow) hold the
     step-0 validation, the steps, validations, checkpoints, the rollback and the downstream evaluations; Ray Train's
@@ -221,6 +223,7 @@ def test_prometheus_shows_the_newest_value_whatever_kind_of_record_brought_it(ra
                                                                           (2, "rollback"), (2, None), (3, None)]
 
 
+@pytest.mark.slow
 def test_an_mlflow_server_killed_mid_run_costs_one_warning_and_no_metrics_line(tmp_path):
     """No Ray: rank 0's record writer, run log and trackers as the loop drives them, the MLflow server SIGKILLed once
     the run is open and records were sent. Every write returns at once, metrics.jsonl has every record, one warning,
@@ -268,6 +271,7 @@ def test_an_mlflow_server_killed_mid_run_costs_one_warning_and_no_metrics_line(t
     assert [s for s, _ in _steps(tmp_path / "runs" / "killed", "loss")] == list(range(1, 11))
 
 
+@pytest.mark.slow
 def test_an_attempt_killed_before_it_noted_the_mlflow_run_id_leaves_no_second_run(mlflow_server, tmp_path):
     """No Ray: the key is noted before MLflow creates the run, so a kill between create_run and noting the run id
     (a slow tracking server at start) costs no second MLflow run: the next attempt finds the run by its key."""
@@ -334,6 +338,7 @@ def test_tracker_library_missing_is_one_line_exit_2(tiny_data, tmp_path, extra, 
     assert len(r.stderr.strip().splitlines()) == 1 and f"pip install 'raytrain[{extra}]'" in r.stderr
 
 
+@pytest.mark.slow
 def test_downstream_evaluation_equals_the_harness_cli_on_the_same_export(mlflow_run, lm_eval_tasks, tmp_path, capsys):
     """The numbers training logged for checkpoint 12, and `raytrain eval --model` on its export, equal the harness's
     own `lm_eval --model hf pretrained=<export>` on the same tasks and limit."""
