@@ -1,7 +1,8 @@
 """The cluster's certificate signer: the CA key stays with it, and a node gets a short-lived certificate for its own
 address by sending a signing request; the node's private key never leaves the node.
 
-The signer runs where the CA key is (the head, started by `python -m raytrain.tls_signer signer`), over HTTPS with the head's
+The signer runs where the CA key is (the head, which reads it from the cloud's secret store with `python -m
+raytrain.tls_signer fetch-key`, then starts `python -m raytrain.tls_signer signer ... --detach`), over HTTPS with the head's
 own certificate; a node verifies it against the cluster's CA certificate (public, on every node) and authenticates
 with the cluster's Ray token (`Authorization: Bearer`, compared in constant time). What it may ask for is tied to
 the caller: a certificate names only the address the signer sees the request come from (plus 127.0.0.1 and
@@ -121,9 +122,12 @@ def serve(signer: Signer, *, host: str, port: int, cert: str, key: str, token: s
 
 
 def request(url: str, *, ca_crt: str, out_dir: str, token: str, names: tuple[str, ...] = (),
-            timeout_s: float = 30.0) -> dict:
+            timeout_s: float = 30.0, wait_s: float = 0.0) -> dict:
     """This node's certificate from the signer at `url` (https://HEAD:PORT), verified against the cluster's CA:
-    a new key (out_dir/server.key, 0600, never sent), server.crt and ca.crt, the layout `tls.ray_env` names."""
+    a new key (out_dir/server.key, 0600, never sent), server.crt and ca.crt, the layout `tls.ray_env` names.
+    `wait_s`: how long a signer that does not answer yet is asked again (a node can start before the head's signer);
+    a refusal is final."""
+    import time
     import urllib.error
     import urllib.request
 
@@ -140,14 +144,20 @@ def request(url: str, *, ca_crt: str, out_dir: str, token: str, names: tuple[str
     req = urllib.request.Request(url.rstrip("/") + PATH, data=body, method="POST",
                                  headers={"Content-Type": "application/json", "Authorization": f"Bearer {token}"})
     ctx = ssl.create_default_context(cafile=ca_crt)
-    try:
-        with urllib.request.urlopen(req, context=ctx, timeout=timeout_s) as r:
-            got = json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        why = _error_of(e)
-        raise UserError(f"the certificate signer at {url} refused this node ({e.code}): {why}") from None
-    except (urllib.error.URLError, OSError) as e:
-        raise UserError(f"cannot reach the certificate signer at {url}: {getattr(e, 'reason', e)}") from None
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            with urllib.request.urlopen(req, context=ctx, timeout=timeout_s) as r:
+                got = json.loads(r.read())
+            break
+        except urllib.error.HTTPError as e:
+            why = _error_of(e)
+            raise UserError(f"the certificate signer at {url} refused this node ({e.code}): {why}") from None
+        except (urllib.error.URLError, OSError) as e:
+            reason = getattr(e, "reason", e)
+            if isinstance(reason, ssl.SSLError) or time.monotonic() >= deadline:  # a wrong CA does not heal by waiting
+                raise UserError(f"cannot reach the certificate signer at {url}: {reason}") from None
+            time.sleep(2)
     os.makedirs(out_dir, exist_ok=True)
     paths = {name: os.path.join(out_dir, name) for name in ("ca.crt", "server.crt", "server.key")}
     write_key(paths["server.key"], key)
@@ -155,6 +165,70 @@ def request(url: str, *, ca_crt: str, out_dir: str, token: str, names: tuple[str
         with open(paths[name], "w") as f:
             f.write(pem)
     return paths
+
+
+def fetch_key(source: str, out: str) -> str:
+    """The CA key from the cloud's secret store to `out` (0600), on the head only: `aws-secretsmanager://NAME` or
+    `gcp-secretmanager://projects/P/secrets/S` (the head's role or service account may read it, the workers' may
+    not: cluster/iam/). Checked to be an unencrypted private key before anything depends on it; returns `out`."""
+    from cryptography.hazmat.primitives import serialization
+
+    from raytrain.tls import write_key
+
+    data = _secret_bytes(source)
+    try:
+        key = serialization.load_pem_private_key(data, password=None)
+    except (ValueError, TypeError):
+        raise UserError(f"secret {source} is not an unencrypted PEM private key (store ca.key as made by "
+                        "scripts/tls_certs.sh)") from None
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    write_key(out, key)
+    return out
+
+
+def _secret_bytes(source: str) -> bytes:
+    scheme, _, name = source.partition("://")
+    if scheme == "aws-secretsmanager" and name:
+        import boto3
+        import botocore.exceptions
+
+        try:
+            got = boto3.client("secretsmanager").get_secret_value(SecretId=name)
+        except botocore.exceptions.ClientError as e:
+            err = e.response.get("Error", {})
+            raise UserError(f"cannot read the CA key from {source}: {err.get('Code')} ({err.get('Message')}); the "
+                            "head's role needs secretsmanager:GetSecretValue on it") from None
+        except botocore.exceptions.BotoCoreError as e:
+            raise UserError(f"cannot read the CA key from {source}: {e}") from None
+        return got.get("SecretBinary") or got.get("SecretString", "").encode()
+    if scheme == "gcp-secretmanager" and name.startswith("projects/") and "/secrets/" in name:
+        import base64
+
+        try:
+            from googleapiclient import discovery, errors
+        except ImportError:
+            raise UserError("reading a GCP secret needs google-api-python-client (the head installs it)") from None
+        try:
+            svc = discovery.build("secretmanager", "v1", cache_discovery=False)
+            got = svc.projects().secrets().versions().access(name=f"{name}/versions/latest").execute()
+        except errors.HttpError as e:
+            raise UserError(f"cannot read the CA key from {source}: {e}; the head's service account needs "
+                            "roles/secretmanager.secretAccessor on it") from None
+        return base64.b64decode(got["payload"]["data"])
+    raise UserError(f"fetch-key {source!r}: give aws-secretsmanager://SECRET_NAME or "
+                    "gcp-secretmanager://projects/PROJECT/secrets/SECRET")
+
+
+def _ready(host: str, port: int):
+    import socket
+
+    def ready() -> bool:
+        try:
+            socket.create_connection((host if host not in ("0.0.0.0", "") else "127.0.0.1", port), timeout=1).close()
+            return True
+        except OSError:
+            return False
+    return ready
 
 
 def _error_of(e) -> str:
@@ -165,14 +239,21 @@ def _error_of(e) -> str:
 
 
 def main(argv: list[str], token: Optional[str] = None) -> int:
-    """`python -m raytrain.tls_signer signer CA_DIR --cert C --key K [--port P]` (the head) and `python -m
-    raytrain.tls_signer request URL CA_CRT OUT_DIR` (a node); the token is this machine's Ray token."""
+    """`python -m raytrain.tls_signer signer CA_DIR --cert C --key K [--port P] [--detach PID_FILE]` and `fetch-key
+    SOURCE OUT` (the head), `request URL CA_CRT OUT_DIR [--wait S]` (a node); the token is this machine's Ray token."""
     import argparse
     import sys
     import time
 
     from raytrain.ray_auth import local_token
 
+    if argv[:1] == ["fetch-key"]:
+        p = argparse.ArgumentParser(prog="python -m raytrain.tls_signer fetch-key")
+        p.add_argument("source", help="aws-secretsmanager://NAME or gcp-secretmanager://projects/P/secrets/S")
+        p.add_argument("out")
+        a = p.parse_args(argv[1:])
+        print(f"made {fetch_key(a.source, a.out)} (0600) from {a.source}", flush=True)
+        return 0
     token = token or local_token()
     if not token:
         raise UserError("the certificate signer needs this machine's Ray token (RAY_AUTH_TOKEN or the token file "
@@ -185,7 +266,18 @@ def main(argv: list[str], token: Optional[str] = None) -> int:
         p.add_argument("--host", default="0.0.0.0")
         p.add_argument("--port", type=int, default=8477)
         p.add_argument("--days", type=int, default=MAX_DAYS)
+        p.add_argument("--detach", metavar="PID_FILE", help="run in a session of its own (once: a second start with the "
+                       "same pid file finds it and starts nothing); the log beside the pid file")
         a = p.parse_args(argv[1:])
+        if a.detach:
+            from raytrain.daemon import start_once
+
+            i = argv.index("--detach")
+            child = [sys.executable, "-m", "raytrain.tls_signer", *argv[:i], *argv[i + 2:]]
+            pid, started = start_once(child, pid_file=a.detach, log_file=a.detach + ".log", ready=_ready(a.host, a.port))
+            print(f"certificate signer {'started' if started else 'already running'} (pid {pid}, port {a.port})",
+                  flush=True)
+            return 0
         httpd = serve(Signer(a.ca_dir, days=a.days), host=a.host, port=a.port, cert=a.cert, key=a.key, token=token)
         print(f"certificate signer on https://{a.host}:{httpd.server_address[1]}{PATH} (certificates of at most "
               f"{min(a.days, MAX_DAYS)} days)", flush=True)
@@ -195,8 +287,9 @@ def main(argv: list[str], token: Optional[str] = None) -> int:
     p.add_argument("url")
     p.add_argument("ca_crt")
     p.add_argument("out_dir")
+    p.add_argument("--wait", type=float, default=0.0, help="seconds to keep asking a signer that does not answer yet")
     a = p.parse_args(argv[1:])
-    paths = request(a.url, ca_crt=a.ca_crt, out_dir=a.out_dir, token=token)
+    paths = request(a.url, ca_crt=a.ca_crt, out_dir=a.out_dir, token=token, wait_s=a.wait)
     print(f"made {paths['server.crt']} (key {paths['server.key']}, 0600) from the signer at {a.url}", file=sys.stdout)
     return 0
 

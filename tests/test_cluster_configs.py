@@ -136,33 +136,88 @@ def _tls_env_ok(env: dict[str, str]) -> str:
     return d
 
 
-@pytest.mark.parametrize("path", [p for p in LAUNCHER_CONFIGS if p.name != "local-fake.yaml"], ids=lambda p: p.name)
-def test_cloud_configs_turn_on_rays_mutual_tls_with_a_certificate_each_node_signs(path, tmp_path):
-    """Every process in every node's container has Ray's TLS settings (docker run options); the cluster's CA reaches
-    every node through file_mounts; each node signs its own certificate for its addresses before `ray start`; and
-    that command, run here, gives a certificate the CA verifies, for this machine's addresses."""
+def _sh(cmd: str, env: dict[str, str]) -> str:
+    import os
     import subprocess
+    import sys
+
+    run_env = {**os.environ, **env, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    out = subprocess.run(["/bin/sh", "-c", cmd], env=run_env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, (cmd, out.stdout + out.stderr)
+    assert "PRIVATE KEY" not in out.stdout + out.stderr  # paths only
+    return out.stdout
+
+
+@pytest.mark.parametrize("path", [p for p in LAUNCHER_CONFIGS if p.name != "local-fake.yaml"], ids=lambda p: p.name)
+def test_cloud_configs_keep_the_ca_key_on_the_head_and_workers_get_certificates_from_its_signer(path, tmp_path,
+                                                                                                 s3_server):
+    """Every process in every node's container has Ray's TLS settings (docker run options). Only the CA certificate
+    goes to every node (file_mounts); the head reads the CA key from the cloud's secret store, signs its own
+    certificate and starts the signer once (a second start finds it); a worker asks the signer for its certificate
+    and never sees the CA key. The head's and a worker's commands, run here (the AWS secret on the S3 server's
+    Secrets Manager; the GCP secret read is not run: the key is put where it would write it), give a worker a
+    certificate the CA verifies, for this machine's address."""
+    import os
+    import shutil
+    import signal
+
+    import boto3
 
     from raytrain import tls
+    from tests.helpers import free_port
 
     cfg = yaml.safe_load(path.read_text())
     env = dict(o.split(None, 1)[1].split("=", 1) for o in cfg["docker"]["run_options"] if o.startswith("--env "))
     cert_dir = _tls_env_ok(env)
-    ca_files = [k for k in cfg["file_mounts"] if k.endswith(("/ca.crt", "/ca.key"))]
-    ca_dir = ca_files[0].rsplit("/", 1)[0]
-    assert sorted(ca_files) == [f"{ca_dir}/ca.crt", f"{ca_dir}/ca.key"] and ca_dir != cert_dir, ca_files
-    assert len({cfg["file_mounts"][k].rsplit("/", 1)[0] for k in ca_files}) == 1  # one CA directory on the laptop
-    signs = {}
-    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
-        cmds = cfg[key]
-        sign = [i for i, c in enumerate(cmds) if "raytrain.tls node" in c]
-        start = [i for i, c in enumerate(cmds) if "ray start" in c]
-        assert sign and start and sign[0] < start[0], (key, cmds)
-        signs[key] = cmds[sign[0]]
-        assert f"raytrain.tls node {ca_dir} {cert_dir} " in signs[key]
-    node = _run_signing(signs["worker_start_ray_commands"], tmp_path, {"ca": ca_dir, "out": cert_dir})
-    addresses = subprocess.run(["hostname", "-I"], capture_output=True, text=True).stdout.split()
-    tls.check_hosts(str(node / "server.crt"), ["127.0.0.1", "localhost", *addresses], "test")
+    assert not [k for k in cfg["file_mounts"] if k.endswith(".key") or "key" in str(cfg["file_mounts"][k])]
+    (ca_crt,) = [k for k in cfg["file_mounts"] if k.endswith("/ca.crt")]
+    ca_dir = ca_crt.rsplit("/", 1)[0]
+    head, worker = cfg["head_start_ray_commands"], cfg["worker_start_ray_commands"]
+    for cmds in (cfg["setup_commands"], cfg["worker_setup_commands"], worker):
+        assert not [c for c in cmds if "ca.key" in c or "fetch-key" in c or "tls node" in c], cmds
+    at = {k: next(i for i, c in enumerate(head) if k in c) for k in ("fetch-key", "tls node", "--detach", "ray start")}
+    assert at["fetch-key"] < at["tls node"] < at["--detach"] < at["ray start"], head
+    assert next(i for i, c in enumerate(worker) if "tls_signer request" in c) < next(
+        i for i, c in enumerate(worker) if "ray start" in c)
+
+    laptop = tls.make(str(tmp_path / "laptop"))  # what scripts/tls_certs.sh makes
+    port, token = free_port(), "cluster-token"
+    run_env = {"RAY_AUTH_TOKEN": token, "AWS_DEFAULT_REGION": "us-west-2"}  # an EC2 head: its metadata's region
+
+    def on(node: str, cmd: str) -> str:
+        for old, new in ((ca_dir, f"{tmp_path}/{node}/tls-ca"), (cert_dir, f"{tmp_path}/{node}/tls"),
+                         ("/home/ray/tls-signer", f"{tmp_path}/{node}/signer"), ("8477", str(port)),
+                         ("$RAY_HEAD_IP", "127.0.0.1")):
+            cmd = cmd.replace(old, new)
+        return cmd
+
+    for node in ("head", "worker"):  # file_mounts: the CA certificate only
+        os.makedirs(tmp_path / node / "tls-ca")
+        shutil.copy(laptop["ca.crt"], tmp_path / node / "tls-ca" / "ca.crt")
+    fetch = head[at["fetch-key"]]
+    if "aws-secretsmanager://" in fetch:
+        name = fetch.split("aws-secretsmanager://", 1)[1].split()[0]
+        boto3.client("secretsmanager", region_name="us-west-2").create_secret(Name=name, SecretString=Path(laptop["ca.key"]).read_text())
+        _sh(on("head", fetch), run_env)
+    else:
+        assert "gcp-secretmanager://projects/" in fetch and fetch.rstrip().endswith(f"{ca_dir}/ca.key"), fetch
+        shutil.copy(laptop["ca.key"], tmp_path / "head" / "tls-ca" / "ca.key")
+    assert (tmp_path / "head" / "tls-ca" / "ca.key").stat().st_mode & 0o777 == 0o600
+    _sh(on("head", head[at["tls node"]]), run_env)
+    pid_file = tmp_path / "head" / "signer" / "signer.pid"
+    try:
+        assert "started" in _sh(on("head", head[at["--detach"]]), run_env)
+        assert "already running" in _sh(on("head", head[at["--detach"]]), run_env)  # `ray up` again: no second one
+        request = next(c for c in worker if "tls_signer request" in c)
+        _sh(on("worker", request), run_env)
+    finally:
+        if pid_file.exists():
+            os.kill(int(pid_file.read_text()), signal.SIGTERM)
+    node = tmp_path / "worker" / "tls"
+    tls.check_pair(str(node / "server.crt"), str(node / "server.key"), "test", ca=laptop["ca.crt"])
+    assert tls.names_of(tls.load_certificate(str(node / "server.crt"), "test"))[0] == "127.0.0.1"
+    assert (node / "server.key").stat().st_mode & 0o777 == 0o600
+    assert not list((tmp_path / "worker").rglob("ca.key"))
 
 
 @pytest.mark.parametrize("manifest", sorted(KUBERAY), ids=str)

@@ -61,3 +61,85 @@ def test_the_signer_refuses_another_address_a_forged_request_and_no_token(signer
     other = tls.make(str(tmp_path / "other"))
     with pytest.raises(UserError, match="cannot reach the certificate signer"):  # not verified against our CA
         request(url, ca_crt=other["ca.crt"], out_dir=str(tmp_path / "c"), token="s3cret")
+
+
+def test_a_node_that_starts_before_the_signer_waits_for_it(signer, tmp_path):
+    """`request --wait`: a signer not answering yet is asked again until it does; without a wait it is one line."""
+    import threading
+
+    from tests.helpers import free_port
+
+    _, ca, d = signer
+    port = free_port()
+    url = f"https://127.0.0.1:{port}"
+    with pytest.raises(UserError, match="cannot reach the certificate signer"):
+        request(url, ca_crt=ca["ca.crt"], out_dir=str(tmp_path / "now"), token="s3cret")
+    started = []
+    timer = threading.Timer(3.0, lambda: started.append(serve(Signer(str(d / "ca")), host="127.0.0.1", port=port,
+                                                               cert=ca["server.crt"], key=ca["server.key"],
+                                                               token="s3cret")))
+    timer.start()
+    try:
+        paths = request(url, ca_crt=ca["ca.crt"], out_dir=str(tmp_path / "later"), token="s3cret", wait_s=60)
+        tls.check_pair(paths["server.crt"], paths["server.key"], "test", ca=ca["ca.crt"])
+    finally:
+        timer.join()
+        for httpd in started:
+            httpd.shutdown()
+
+
+@pytest.mark.parametrize("source,secret,says", [
+    ("aws-secretsmanager://raytrain/c/tls-ca-key", None, "ResourceNotFoundException"),
+    ("aws-secretsmanager://raytrain/c/not-a-key", "hello", "is not an unencrypted PEM private key"),
+    ("s3://bucket/ca.key", None, "give aws-secretsmanager://SECRET_NAME or gcp-secretmanager://"),
+])
+def test_a_ca_key_that_cannot_be_read_from_the_secret_store_is_one_line_exit_2(s3_server, tmp_path, source, secret,
+                                                                                 says):
+    import os
+    import subprocess
+    import sys
+
+    import boto3
+
+    env = {**os.environ, "AWS_DEFAULT_REGION": "us-west-2"}
+    if secret is not None:
+        boto3.client("secretsmanager", region_name="us-west-2").create_secret(Name=source.split("://")[1],
+                                                                              SecretString=secret)
+    out = subprocess.run([sys.executable, "-m", "raytrain.tls_signer", "fetch-key", source, str(tmp_path / "ca.key")],
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and says in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert not (tmp_path / "ca.key").exists()
+
+
+def test_a_detached_service_that_dies_at_start_is_one_line_and_a_live_one_is_not_started_twice(tmp_path):
+    import os
+    import signal
+    import socket
+    import sys
+
+    from raytrain.daemon import running, start_once
+    from tests.helpers import free_port
+
+    pid_file = str(tmp_path / "svc.pid")
+    with pytest.raises(UserError, match=r"did not start \(exit 3\): boom"):
+        start_once([sys.executable, "-c", "print('boom'); raise SystemExit(3)"], pid_file=pid_file,
+                   log_file=pid_file + ".log", ready=lambda: False)
+    assert not os.path.exists(pid_file)
+    port = free_port()
+    argv = [sys.executable, "-c", f"import socket,time; s=socket.socket(); s.bind(('127.0.0.1',{port})); s.listen(); "
+                                  "time.sleep(600)"]
+
+    def ready() -> bool:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return True
+        except OSError:
+            return False
+
+    pid, started = start_once(argv, pid_file=pid_file, log_file=pid_file + ".log", ready=ready)
+    try:
+        assert started and running(pid_file, argv) == pid and os.getsid(pid) == pid  # a session of its own
+        assert start_once(argv, pid_file=pid_file, log_file=pid_file + ".log", ready=ready) == (pid, False)
+        assert running(pid_file, [*argv, "other"]) is None  # the pid of another command does not count
+    finally:
+        os.kill(pid, signal.SIGTERM)
