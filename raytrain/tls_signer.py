@@ -143,6 +143,9 @@ def request(url: str, *, ca_crt: str, out_dir: str, token: str, names: tuple[str
     body = json.dumps({"csr": csr.public_bytes(serialization.Encoding.PEM).decode(), "names": list(names)}).encode()
     req = urllib.request.Request(url.rstrip("/") + PATH, data=body, method="POST",
                                  headers={"Content-Type": "application/json", "Authorization": f"Bearer {token}"})
+    from raytrain.tls import load_certificate
+
+    load_certificate(ca_crt, "tls signer request", "CA certificate")  # one line when missing or not PEM
     ctx = ssl.create_default_context(cafile=ca_crt)
     deadline = time.monotonic() + wait_s
     while True:

@@ -221,40 +221,99 @@ def test_cloud_configs_keep_the_ca_key_on_the_head_and_workers_get_certificates_
 
 
 @pytest.mark.parametrize("manifest", sorted(KUBERAY), ids=str)
-def test_kuberay_pods_sign_their_certificate_and_run_ray_with_tls(manifest, tmp_path):
-    """Every pod (head and each worker group) and the autoscaler sidecar run Ray with TLS; an init container signs the
-    pod's certificate into an in-memory volume the Ray container mounts read-only; only that init container mounts
-    the CA's Secret; and its command, run here, gives a certificate for the pod IP and the head service's names."""
+def test_kuberay_only_the_head_pod_holds_the_ca_key_and_worker_pods_get_certificates_from_its_signer(manifest,
+                                                                                                   tmp_path):
+    """Every pod (head and each worker group) and the autoscaler sidecar run Ray with TLS, the pod's certificate in an
+    in-memory volume the Ray container mounts read-only. Only the head pod mounts the CA key's Secret (its init
+    container and the signer); worker pods mount the CA certificate only and ask the signer. The head's init command,
+    the signer's and a worker's, run here: the head's certificate names the head service exactly (no wildcard), and
+    the worker gets one from the signer."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
     from raytrain import tls
+    from tests.helpers import free_port
 
     doc = yaml.safe_load((CLUSTER / "kuberay" / manifest).read_text())
     spec = doc["spec"] if doc["kind"] == "RayCluster" else doc["spec"]["rayClusterSpec"]
     auto = spec["autoscalerOptions"]
     cert_dir = _tls_env_ok({e["name"]: e["value"] for e in auto["env"]})
     assert any(m["mountPath"] == cert_dir and m["readOnly"] for m in auto["volumeMounts"])
-    inits = []
+    token_secret = spec["authOptions"]["secretName"]
+    inits = {}
     for group in [spec["headGroupSpec"], *spec["workerGroupSpecs"]]:
+        head = group is spec["headGroupSpec"]
         pod = group["template"]["spec"]
         vols = {v["name"]: v for v in pod["volumes"]}
         secrets = {n for n, v in vols.items() if "secret" in v}
+        assert bool(secrets) == head, (head, secrets)  # the CA key's Secret: the head pod's only
         (init,) = pod["initContainers"]
         ray_container = pod["containers"][0]
         assert _tls_env_ok({e["name"]: e["value"] for e in ray_container["env"]}) == cert_dir
         (mount,) = [m for m in ray_container["volumeMounts"] if m["mountPath"] == cert_dir]
         assert mount["readOnly"] and vols[mount["name"]]["emptyDir"]["medium"] == "Memory"
-        assert not [m for c in pod["containers"] for m in c.get("volumeMounts", []) if m["name"] in secrets]
+        assert not [m for m in ray_container.get("volumeMounts", []) if m["name"] in secrets]
         init_mounts = {m["mountPath"]: m["name"] for m in init["volumeMounts"]}
-        assert init_mounts[cert_dir] == mount["name"] and secrets & set(init_mounts.values()), init_mounts
-        inits.append(init)
-    cmd = inits[0]["command"][-1]
-    assert all(i["command"][-1] == cmd for i in inits)
-    ca_dir = [p for p, n in {m["mountPath"]: m["name"] for m in inits[0]["volumeMounts"]}.items() if p != cert_dir][0]
-    node = _run_signing(cmd, tmp_path, {"ca": ca_dir, "out": cert_dir},
-                        env={"POD_IP": "10.12.0.7", "POD_NAMESPACE": "ml"})
-    tls.check_hosts(str(node / "server.crt"), ["10.12.0.7", "127.0.0.1", "raytrain-head-svc.ml.svc.cluster.local",
-                                               "raytrain-head-svc.ml.svc"], "test")
-    with pytest.raises(tls.UserError, match="is not for raytrain-head-svc.other.svc.cluster.local"):
-        tls.check_hosts(str(node / "server.crt"), ["raytrain-head-svc.other.svc.cluster.local"], "test")
+        assert init_mounts[cert_dir] == mount["name"], init_mounts
+        inits.setdefault("head" if head else "worker", []).append(init)
+        if head:
+            (signer,) = [c for c in pod["containers"] if "raytrain.tls_signer" in c.get("command", [])]
+            assert {"containerPort": 8477, "name": "tls-signer"} in ray_container["ports"]  # the head service's
+        else:
+            assert "tls_signer request" in init["command"][-1] and "configMap" in vols[
+                [n for p, n in init_mounts.items() if p != cert_dir][0]]
+            assert {"name": "RAY_AUTH_TOKEN", "valueFrom": {"secretKeyRef": {"name": token_secret, "key": "auth_token"}}} in init["env"]
+    assert all(i == inits["worker"][0] for i in inits["worker"])
+    (head_init,) = inits["head"]
+    pod_env = {"POD_IP": "127.0.0.1", "POD_NAMESPACE": "ml", "RAY_CLUSTER": "raytrain", "RAY_AUTH_TOKEN": "t0ken"}
+    ca_dir = [p for p in (m["mountPath"] for m in head_init["volumeMounts"]) if p != cert_dir][0]
+    laptop = tls.make(str(tmp_path / "laptop"))
+    (tmp_path / "head-ca").mkdir()
+    for f in ("ca.crt", "ca.key"):
+        (tmp_path / "head-ca" / f).write_bytes(Path(laptop[f]).read_bytes())
+
+    def on(node: str, cmd: str) -> str:
+        return cmd.replace(ca_dir, str(tmp_path / "head-ca")).replace(cert_dir, str(tmp_path / node / "tls"))
+
+    _sh(on("head", head_init["command"][-1]), pod_env)
+    head_crt = str(tmp_path / "head" / "tls" / "server.crt")
+    tls.check_hosts(head_crt, ["127.0.0.1", "raytrain-head-svc", "raytrain-head-svc.ml.svc",
+                               "raytrain-head-svc.ml.svc.cluster.local"], "test")
+    with pytest.raises(tls.UserError, match="is not for another-pod.ml.svc"):  # no wildcard: exact names only
+        tls.check_hosts(head_crt, ["another-pod.ml.svc"], "test")
+    port = free_port()
+    argv = [on("head", a) for a in signer["command"]]
+    argv[argv.index("8477")] = str(port)
+    assert argv[:3] == ["python", "-m", "raytrain.tls_signer"]
+    proc = subprocess.Popen([sys.executable, *argv[1:]], env={**os.environ, **pod_env}, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, "the signer did not start"
+                time.sleep(0.2)
+        worker_cmd = inits["worker"][0]["command"][-1]
+        url_host = "$RAY_CLUSTER-head-svc.$POD_NAMESPACE.svc"  # raytrain-head-svc.ml.svc: named in the head's certificate
+        assert url_host in worker_cmd
+        (tmp_path / "worker-ca").mkdir()
+        (tmp_path / "worker-ca" / "ca.crt").write_bytes(Path(laptop["ca.crt"]).read_bytes())
+        worker_ca = [m["mountPath"] for m in inits["worker"][0]["volumeMounts"] if m["mountPath"] != cert_dir][0]
+        cmd = on("worker", worker_cmd.replace(worker_ca, str(tmp_path / "worker-ca")).replace(url_host, "127.0.0.1")
+                 .replace(":8477", f":{port}"))
+        _sh(cmd, pod_env)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=10)
+    node = tmp_path / "worker" / "tls"
+    tls.check_pair(str(node / "server.crt"), str(node / "server.key"), "test", ca=laptop["ca.crt"])
+    assert not list((tmp_path / "worker").rglob("ca.key"))
 
 
 def test_local_fake_config_has_a_spot_type_that_scales_from_zero():

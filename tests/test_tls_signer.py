@@ -61,6 +61,8 @@ def test_the_signer_refuses_another_address_a_forged_request_and_no_token(signer
     other = tls.make(str(tmp_path / "other"))
     with pytest.raises(UserError, match="cannot reach the certificate signer"):  # not verified against our CA
         request(url, ca_crt=other["ca.crt"], out_dir=str(tmp_path / "c"), token="s3cret")
+    with pytest.raises(UserError, match="CA certificate"):  # the node's CA certificate missing: one line
+        request(url, ca_crt=str(tmp_path / "none.crt"), out_dir=str(tmp_path / "d"), token="s3cret")
 
 
 def test_a_node_that_starts_before_the_signer_waits_for_it(signer, tmp_path):
