@@ -345,6 +345,7 @@ class MetricsSection(Section):
     """Where each log step's metrics go besides metrics.jsonl (see docs/OBSERVABILITY.md), and the peak used for MFU."""
 
     prometheus: bool = Field(True, description="export raytrain_* series through Ray's metrics API (Ray's Prometheus endpoint, labels run/worker)")
+    goodput_every_s: float = Field(60.0, ge=0.0, description="with prometheus: how often the driver recomputes the goodput ledger while the run lives (raytrain_goodput_ratio, raytrain_badput_seconds by kind; reading only what the run directory gained since); 0: off")
     tensorboard: bool = Field(False, description="also write TensorBoard event files to <run>/tensorboard/")
     peak_tflops: Optional[float] = Field(None, gt=0.0, description="peak TFLOP/s of one worker's device (GPU or CPU) for MFU; null: the GPU table in worker/telemetry.py, or on CPU measured at start-up by a short fp32 matmul probe on the worker's threads, cached per machine in ~/.cache/raytrain/cpu_peak.json")
     wandb: WandbSection = Field(default_factory=WandbSection, description="Weights & Biases tracker (`pip install raytrain[wandb]`)")

@@ -34,10 +34,11 @@ STEP_KINDS = ("productive", "redone", "data_wait", "checkpoint_stall", "evaluati
 GAP_PHASES = ("detect", "teardown", "schedule", "workers", "setup", "restore", "first_step")
 
 
-def ledger(run_uri: str) -> Optional[dict[str, Any]]:
+def ledger(run_uri: str, *, reader=None) -> Optional[dict[str, Any]]:
     """The run's ledger ({"wall_s", "seconds": {kind: s}, "attempts": [...], "sizes": [(time, workers)], ...}); None
-    for a run with no submission event (trained before the ledger existed)."""
-    rd = RunDir(run_uri)
+    for a run with no submission event (trained before the ledger existed). `reader`: what reads the run's JSONL
+    files (default: RunDir, whole; the live gauges' reads only what each file gained)."""
+    rd = reader or RunDir(run_uri)
     events = rd.read_jsonl(ELASTIC)
     attempts = rd.read_jsonl(ATTEMPTS)
     steps = [r for r in rd.read_jsonl(METRICS) if "loss" in r or "val_loss" in r or "checkpoint" in r]

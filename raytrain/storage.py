@@ -205,6 +205,28 @@ def exists(uri: str) -> bool:
         raise _fail(uri, e, "reach") from None
 
 
+def size(uri: str) -> Optional[int]:
+    """A file's size in bytes; None when there is none."""
+    fs, path = resolve(uri)
+    try:
+        info = fs.get_file_info(path)
+    except OSError as e:
+        raise _fail(uri, e, "reach") from None
+    return None if info.type == pafs.FileType.NotFound else info.size
+
+
+def read_range(uri: str, start: int, stop: int) -> bytes:
+    """Bytes [start, stop) of a file (fewer at its end): one ranged read on S3."""
+    fs, path = resolve(uri)
+    try:
+        with fs.open_input_file(path) as f:
+            return f.read_at(max(0, min(stop, f.size()) - start), start)
+    except FileNotFoundError:
+        raise UserError(f"not found: {uri}") from None
+    except OSError as e:
+        raise _fail(uri, e, "read") from None
+
+
 def read_bytes(uri: str) -> bytes:
     fs, path = resolve(uri)
     try:

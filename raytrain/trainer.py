@@ -392,6 +392,11 @@ def _fit(trainer, cfg: Config, *, submitted: float, log: Callable[[str], None]) 
     storage.delete_file(comm_file)  # an earlier submission's diagnosis is not this one's
     # Host-memory snapshots live only while the run does: a killed driver's are removed here, the rest in finally.
     release_memory(cfg.run_uri, cfg.checkpoint.memory_dir)
+    gauges = None
+    if cfg.metrics.prometheus and cfg.metrics.goodput_every_s > 0:  # the ledger live, on Ray's Prometheus endpoint
+        from raytrain.goodput_gauges import GoodputGauges
+
+        gauges = GoodputGauges(cfg.run_uri, cfg.run.name, every_s=cfg.metrics.goodput_every_s)
     try:
         with recorder, Relay(cfg.run_uri, log, submitted=submitted):
             trainer.fit()
@@ -410,21 +415,24 @@ def _fit(trainer, cfg: Config, *, submitted: float, log: Callable[[str], None]) 
     finally:
         release_memory(cfg.run_uri, cfg.checkpoint.memory_dir)
         forget_restart_phases(cfg.run_uri)
-        _goodput(cfg.run_uri, log)
+        final = _goodput(cfg.run_uri, log)
+        if gauges is not None:
+            gauges.close(final)
 
 
-def _goodput(run_uri: str, log: Callable[[str], None]) -> None:
-    """The run's goodput ledger, kept in goodput.json and said in one line."""
+def _goodput(run_uri: str, log: Callable[[str], None]) -> Optional[dict]:
+    """The run's goodput ledger, kept in goodput.json and said in one line; returned."""
     from raytrain.goodput import ledger
 
     try:
         g = ledger(run_uri)
     except Exception as e:  # noqa: BLE001 - accounting must never be why a run fails
         log(f"[raytrain] warning: no goodput ledger ({type(e).__name__}: {e})")
-        return
+        return None
     if g is None:
-        return
+        return None
     RunDir(run_uri).write_json(GOODPUT, g)
     bad = sorted(((k, v) for k, v in g["seconds"].items() if k != "productive"), key=lambda kv: -kv[1])[:3]
     log(f"[raytrain] goodput {g['goodput']:.1%} of {g['wall_s']:.1f} s; most badput: "
         + ", ".join(f"{k} {v:.1f} s" for k, v in bad) + " (raytrain report)")
+    return g

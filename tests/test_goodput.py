@@ -263,3 +263,36 @@ def test_report_draws_the_ledger(tmp_path):
     assert png.stat().st_size > 1000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     text = open(md).read()
     assert "## Goodput" in text and "| restart/notice | 3.0 |" in text and "| not_running | 120.0 |" in text
+
+
+def test_the_live_reader_reads_only_what_a_file_gained_and_gives_the_same_ledger(tmp_path, monkeypatch):
+    """The Prometheus gauges' reader (raytrain/goodput_gauges.py TailReader): the ledger it gives equals the ledger
+    read whole; once read, a file that grew is read from its old end (ranged), one rewritten (a resume drops lines)
+    or shrunk whole again, and a line still being written is not kept."""
+    from raytrain import storage
+    from raytrain.goodput_gauges import TailReader
+
+    uri = _run(tmp_path / "run")
+    reader = TailReader(uri)
+    assert ledger(uri, reader=reader) == ledger(uri)
+    full, ranged = [], []
+    monkeypatch.setattr(storage, "read_bytes", lambda u, f=storage.read_bytes: full.append(u) or f(u))
+    monkeypatch.setattr(storage, "read_range", lambda u, a, b, f=storage.read_range: ranged.append((u, a, b)) or f(u, a, b))
+    rd = RunDir(uri)
+    for step in (99, 100):  # appended (RunDir rewrites the file with one more line)
+        size = storage.size(rd.uri(METRICS))
+        _log(rd, step, T0 + 900 + step)
+        full.clear(), ranged.clear()
+        live = ledger(uri, reader=reader)
+        assert not full, full  # no file read whole
+        (got,) = [(a, b) for u, a, b in ranged if u.endswith(METRICS)]
+        assert got == (size - TailReader.PROBE, storage.size(rd.uri(METRICS))), (got, size)
+        assert live == ledger(uri)
+    text = storage.read_text(rd.uri(METRICS))
+    lines = text.splitlines(keepends=True)
+    storage.write_text(rd.uri(METRICS), "".join(lines[:-3]))  # a resume dropped the lines past its step
+    assert reader.read_jsonl(METRICS) == rd.read_jsonl(METRICS)
+    storage.write_text(rd.uri(METRICS), "".join(lines[:-3]) + lines[-1][:10])  # a line being written
+    assert reader.read_jsonl(METRICS) == rd.read_jsonl(METRICS)
+    storage.write_text(rd.uri(METRICS), "".join(lines[:-3]) + lines[-1])  # ... and finished
+    assert reader.read_jsonl(METRICS) == rd.read_jsonl(METRICS) and reader.read_jsonl(METRICS)[-1]["step"] == 100

@@ -86,7 +86,8 @@ def test_prometheus_scrapes_raytrain_series(tiny_data, tmp_path):
                      "run.eval_every=10", "data.eval_samples=16", "checkpoint.every_n_steps=5", "run.max_steps=20",
                      "run.max_failures=0", "scaling.data_cpus=2", "metrics.peak_tflops=0.1",
                      # a threshold every step crosses: the rule fires and its counter reaches Prometheus
-                     "health.grad_norm_max=1e-9", "health.grace_steps=0"]
+                     "health.grad_norm_max=1e-9", "health.grace_steps=0",
+                     "metrics.goodput_every_s=2"]  # the driver's live ledger, polled often for a short run
         env = {**os.environ, "RAY_TRAIN_ENABLE_PRINT_PATCH": "0", "RAY_USAGE_STATS_ENABLED": "0",
                "PYTHONPATH": str(ROOT)}
         child = subprocess.run([sys.executable, "-c", CHILD, str(metrics_port), json.dumps(overrides)], env=env,
@@ -141,10 +142,23 @@ def test_prometheus_scrapes_raytrain_series(tiny_data, tmp_path):
         assert fired and 15 <= max(fired.values()) <= 20  # every log step crossed the threshold, each counted
         assert min(_values(base, "max_over_time(raytrain_restarts[10m])").values()) == 0
 
+        # The driver's goodput gauges (raytrain/goodput_gauges.py): their last values are the run's final ledger
+        # (goodput.json), one badput series per kind, the world size; earlier values were read while it ran.
+        final = json.loads((tmp_path / "prom" / "goodput.json").read_text())
+        ratio = _values(base, "last_over_time(raytrain_goodput_ratio[10m])")
+        assert {dict(k)["run"] for k in ratio} == {"prom"}, ratio
+        assert max(ratio.values()) == pytest.approx(final["goodput"], abs=1e-9)
+        assert _query(base, "count_over_time(raytrain_goodput_ratio[10m]) > 1"), "no value while the run ran"
+        bad = {dict(k)["kind"]: v for k, v in _values(base, "last_over_time(raytrain_badput_seconds[10m])").items()}
+        assert bad == pytest.approx({k: v for k, v in final["seconds"].items() if k != "productive"}, abs=1e-6)
+        wall = max(_values(base, "last_over_time(raytrain_run_wall_seconds[10m])").values())
+        assert wall == pytest.approx(final["wall_s"], abs=1e-6)
+        assert set(_values(base, "last_over_time(raytrain_world_size[10m])").values()) == {2}
+
         with urllib.request.urlopen(f"{base}/api/v1/rules", timeout=10) as r:
             groups = json.loads(r.read())["data"]["groups"]
         rules = [x for g in groups for x in g["rules"]]
-        assert len(rules) == 11 and all(x["health"] == "ok" for x in rules), [(x["name"], x.get("lastError")) for x in rules]
+        assert len(rules) == 12 and all(x["health"] == "ok" for x in rules), [(x["name"], x.get("lastError")) for x in rules]
     finally:
         server.terminate()
         server.wait(timeout=30)
