@@ -240,7 +240,8 @@ def test_benchmarks_doc_tables_hold_only_measured_baselines_and_no_removed_code(
 
 @pytest.mark.slow
 def test_plain_baselines_log_one_window_per_interval(tiny_data, tmp_path):
-    """Part 1's baselines (plain loop, and the same loop driving raytrain's DeepSpeed config) at tiny size."""
+    """Part 1's baselines (plain loop, the same loop driving 3653663's DeepSpeed config, and DeepSpeed with raytrain's
+    own step path: 1 and 2 processes) at tiny size: one window per interval, and the loss falls."""
     from benchkit.baselines import plain_loop
 
     cfg = P.train_cfg(str(tiny_data), str(tmp_path), "baseline", 1, 6, 2, "model.n_layer=1", "model.hidden_size=32",
@@ -249,6 +250,13 @@ def test_plain_baselines_log_one_window_per_interval(tiny_data, tmp_path):
     for use_deepspeed in (False, True):
         windows = plain_loop(cfg, split, str(tmp_path / f"ds-{use_deepspeed}.json"), use_deepspeed=use_deepspeed)
         assert len(windows) == 3 and all(w > 0 for w in windows), windows
+    from benchkit.baselines import plain_run
+
+    for workers in (1, 2):
+        c = cfg.model_copy(update={"scaling": cfg.scaling.model_copy(update={"num_workers": workers})})
+        got = plain_run(c, split, str(tmp_path / f"kernels-{workers}.json"), kernels=True)
+        assert len(got["tokens_per_s_windows"]) == 3 and all(w > 0 for w in got["tokens_per_s_windows"]), got
+        assert got["losses"][-1] < got["losses"][0], got["losses"]
 
 
 # ------------------------------------------------------------- the optimisations the figures call for

@@ -417,10 +417,12 @@ class MemoryTier:
             ray.wait(refs, num_returns=len(refs), timeout=self.c.memory_fetch_timeout_s)
 
     def record(self) -> dict:
-        """The last snapshot's stall and the interval in force, for metrics.jsonl."""
+        """The last snapshot's stall (its launch, outside the step's phase timers, and its settle inside the optimizer
+        phase), the launch alone, and the interval in force, for metrics.jsonl."""
         if self.last_stall_s is None:
             return {}
-        return {"snapshot_stall_s": round(self.last_stall_s, 6), "snapshot_every": self.interval.every}
+        return {"snapshot_stall_s": round(self.last_stall_s, 6), "snapshot_launch_s": round(self._launch_s, 6),
+                "snapshot_every": self.interval.every}
 
     def _path(self, gen: int, nbytes: int) -> Optional[str]:
         """Generation `gen`'s file, at least nbytes long (asked of the node's actor only when it must grow)."""

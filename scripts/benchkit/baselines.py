@@ -5,8 +5,9 @@ no Ray, no DeepSpeed (CPU), data read once into memory up front so the baseline 
 Each loop runs in fresh processes (torch.multiprocessing, spawn) so thread settings and imports
 start clean, and writes its per-window tokens/s to a JSON file.
 
-Frozen as of commit 3653663: the loops do not inherit raytrain's later step-path work (its chunked loss, fused
-CPU AdamW, compilation by default). Their DeepSpeed config is 3653663's (`frozen_ds_config`), the loss is full
+Frozen as of commit 3653663 (but `kernels=True`): the loops do not inherit raytrain's later step-path work (its
+chunked loss, fused CPU AdamW, compilation by default); `kernels=True` is DeepSpeed with that step path, the
+baseline of the loop's own overhead. Their DeepSpeed config is 3653663's (`frozen_ds_config`), the loss is full
 logits then cross entropy, and they compile only with model.compile=true, the whole model as 3653663 did.
 """
 
@@ -56,7 +57,8 @@ def _rows(split_dict: dict) -> np.ndarray:
     return read_rows(split, 0, split.num_samples)
 
 
-def _worker(rank: int, world: int, port: int, cfg_dict: dict, split_dict: dict, out: str, use_deepspeed: bool) -> None:
+def _worker(rank: int, world: int, port: int, cfg_dict: dict, split_dict: dict, out: str, use_deepspeed: bool,
+            kernels: bool = False) -> None:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -68,8 +70,10 @@ def _worker(rank: int, world: int, port: int, cfg_dict: dict, split_dict: dict, 
     cfg = Config.model_validate(cfg_dict)
     torch.set_num_threads(max(1, int(cfg.scaling.cpus_per_worker)))
     os.environ.update({"LOCAL_RANK": str(rank), "RANK": str(rank), "WORLD_SIZE": str(world)})  # DeepSpeed reads them
-    if world > 1 or use_deepspeed:
+    if world > 1 or use_deepspeed or kernels:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    if kernels:
+        return _kernels_loop(rank, world, cfg, split_dict, out)
     rows = _rows(split_dict)
     vocab = cfg.model.vocab_size or split_dict["vocab_size"]
     model = build_model(cfg.model, vocab, cfg.run.seed, split_dict.get("eot_id"))
@@ -128,18 +132,68 @@ def _worker(rank: int, world: int, port: int, cfg_dict: dict, split_dict: dict, 
         dist.destroy_process_group()
 
 
-def plain_loop(cfg, split_dict: dict, out: str, use_deepspeed: bool = False) -> list[float]:
+def _kernels_loop(rank: int, world: int, cfg, split_dict: dict, out: str) -> None:
+    """DeepSpeed with raytrain's own step path (raytrain.worker.engine.make_engine: its DeepSpeed config, fused
+    AdamW, compilation as configured; raytrain.worker.loss.StepLoss: the chunked loss), no Ray and no raytrain loop:
+    the baseline that isolates what the loop, Ray Train and the data plane cost (the kernels' own gain is the
+    frozen column's)."""
+    import torch
+    import torch.distributed as dist
+
+    from raytrain.ds_config import build_ds_config
+    from raytrain.model import build_model
+    from raytrain.quiet import quiet_deepspeed
+    from raytrain.worker.engine import make_engine
+    from raytrain.worker.loss import StepLoss
+
+    quiet_deepspeed()
+    rows = _rows(split_dict)
+    vocab = cfg.model.vocab_size or split_dict["vocab_size"]
+    ds_config = build_ds_config(cfg, world, "fp32", False)
+    model = build_model(cfg.model, vocab, cfg.run.seed, split_dict.get("eot_id"), ds_config=ds_config)
+    engine, _ = make_engine(model, cfg, ds_config=ds_config, cuda=False)
+    mb, acc, seq = cfg.batch.micro_batch_size, cfg.accumulation, cfg.model.seq_len
+    loss_fn = StepLoss(cfg.data, window=seq + 1, accumulation=acc, world=world, dp_size=world,
+                       device=torch.device("cpu"))
+    gb = mb * acc * world
+    windows, losses, pos, t = [], [], 0, time.perf_counter()
+    for step in range(1, cfg.run.max_steps + 1):
+        if pos + gb > len(rows):
+            pos = 0
+        take = rows[pos + rank * mb * acc:pos + (rank + 1) * mb * acc]
+        pos += gb
+        loss_fn.begin(take)
+        total = torch.zeros(())
+        for a in range(acc):
+            x = torch.from_numpy(np.ascontiguousarray(take[a * mb:(a + 1) * mb], dtype=np.int32)).long()
+            loss = loss_fn(engine, x)
+            engine.backward(loss)
+            engine.step()
+            total += loss.detach()
+        losses.append(float(total) / acc)  # a loop that logs its loss reads it here
+        if step % cfg.run.log_every == 0:
+            now = time.perf_counter()
+            windows.append(cfg.run.log_every * gb * seq / (now - t))
+            t = now
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"tokens_per_s_windows": windows, "losses": losses}, f)
+    dist.destroy_process_group()
+
+
+def plain_loop(cfg, split_dict: dict, out: str, use_deepspeed: bool = False, kernels: bool = False) -> list[float]:
     """Tokens/s per log window of a plain PyTorch loop (one process) or DDP over gloo (num_workers processes);
-    with use_deepspeed, the same loop driving raytrain's DeepSpeed engine config instead of AdamW / DDP."""
-    return plain_run(cfg, split_dict, out, use_deepspeed)["tokens_per_s_windows"]
+    with use_deepspeed, the same loop driving 3653663's DeepSpeed engine config instead of AdamW / DDP; with
+    kernels, DeepSpeed with raytrain's own step path (_kernels_loop)."""
+    return plain_run(cfg, split_dict, out, use_deepspeed, kernels)["tokens_per_s_windows"]
 
 
-def plain_run(cfg, split_dict: dict, out: str, use_deepspeed: bool = False) -> dict:
+def plain_run(cfg, split_dict: dict, out: str, use_deepspeed: bool = False, kernels: bool = False) -> dict:
     """plain_loop's whole record: {"tokens_per_s_windows": [...], "losses": [rank 0's loss per step]}."""
     import torch.multiprocessing as mp
 
     world = cfg.scaling.num_workers
-    mp.start_processes(_worker, args=(world, _free_port(), cfg.to_dict(), split_dict, out, use_deepspeed),
+    mp.start_processes(_worker, args=(world, _free_port(), cfg.to_dict(), split_dict, out, use_deepspeed, kernels),
                        nprocs=world, start_method="spawn", join=True)
     with open(out) as f:
         return json.load(f)
