@@ -2,8 +2,8 @@
 """Reclaim a worker node of a local (fake_multinode) Ray cluster the way a spot interruption does.
 
 With `--notice SECONDS` the node is first drained through Ray's drain API with reason PREEMPTION and
-a deadline SECONDS from now - what the autoscaler does when a cloud announces an interruption (AWS
-gives 2 minutes, GCP 30 s) - and killed at the deadline; without it the node dies at once, like a
+a deadline SECONDS from now - what raytrain's notice watcher (raytrain/notice_watcher.py) does on a node when the
+cloud announces an interruption (AWS gives 2 minutes, GCP 30 s) - and killed at the deadline; without it the node dies at once, like a
 reclaim whose notice never arrived. "Dies" means its raylet and every process under it get SIGKILL:
 nothing shuts down cleanly on a machine that is taken away. The autoscaler then sees a node that
 stopped heartbeating, terminates it and launches a replacement if work is still waiting.
@@ -95,7 +95,7 @@ def _titles(node_id: str) -> list[str]:
 
 
 def drain(address: str, node_id: str, notice_s: float, message: str) -> bool:
-    """Ray's drain API with reason PREEMPTION and a deadline: the same call the autoscaler makes on a
+    """Ray's drain API with reason PREEMPTION and a deadline: what raytrain's notice watcher asks on a
     cloud interruption notice. Returns whether the GCS accepted it."""
     import ray
     from ray.core.generated import autoscaler_pb2

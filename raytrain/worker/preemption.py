@@ -1,8 +1,8 @@
 """Preemption notices: agreement across ranks that the run must checkpoint now (node drain, SIGTERM, or the controller
 about to restart the group at a larger size).
 
-Three sources (the third: raytrain/elastic/resize_request.py, a request rank 0 reads). Ray reports a node being drained for preemption (a spot interruption notice turned into
-a drain by the autoscaler / KubeRay, or `ray drain-node`): Ray Train's watcher writes it into every
+Three sources (the third: raytrain/elastic/resize_request.py, a request rank 0 reads). Ray reports a node being drained for preemption (a cloud's
+notice turned into a drain by raytrain's notice watcher on the node, KubeRay's SIGTERM, or `ray drain-node`): Ray Train's watcher writes it into every
 worker's train context, which each rank reads locally. A SIGTERM reaches only the processes on one node,
 so each rank sets a local flag. Both ride on the step's loss all-reduce (worker/verdict.py), so every rank
 sees them at the same step - a checkpoint is collective, so all ranks must decide together - and no rank

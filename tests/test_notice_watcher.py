@@ -1,0 +1,280 @@
+"""The cloud notice watcher (raytrain/notice_watcher.py) against fake metadata servers on 127.0.0.1 that speak as
+AWS (IMDSv2 only: no read without a valid token, tokens that expire), GCP (Metadata-Flavor, wait-for-change with an
+ETag) and Azure (Scheduled Events): a notice drains once, with the cloud's deadline (clamped when past); trouble at
+the endpoint is one line and never a drain; the detached start leaves exactly one watcher."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlparse
+
+import pytest
+
+from raytrain import notice_watcher as nw
+
+
+class Fake:
+    """One fake metadata endpoint; `cloud` picks the protocol, the attributes what it says."""
+
+    def __init__(self, cloud: str):
+        self.cloud = cloud
+        self.market = "spot"
+        self.action = None  # AWS: {"action", "time"}; GCP: "TRUE"; Azure: list of events
+        self.maintenance = None
+        self.body_override = None  # garbage for every notice read
+        self.delay_s = 0.0
+        self.token_ttl_s = 3600.0
+        self.tokens: dict[str, float] = {}
+        self.unauthorized = 0  # reads refused for a missing or expired token
+        self.changed = threading.Condition()
+        fake = self
+
+        class H(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def _send(self, code: int, body: str = "", **headers):
+                data = body.encode()
+                self.send_response(code)
+                for k, v in headers.items():
+                    self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_PUT(self):
+                if fake.cloud != "aws" or self.path != "/latest/api/token":
+                    return self._send(404)
+                tok = uuid.uuid4().hex
+                fake.tokens[tok] = time.time() + min(float(self.headers["X-aws-ec2-metadata-token-ttl-seconds"]),
+                                                     fake.token_ttl_s)
+                self._send(200, tok)
+
+            def do_GET(self):
+                time.sleep(fake.delay_s)
+                u = urlparse(self.path)
+                getattr(fake, f"_{fake.cloud}")(self, u.path, parse_qs(u.query))
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def set(self, **kw) -> None:
+        with self.changed:
+            for k, v in kw.items():
+                setattr(self, k, v)
+            self.changed.notify_all()
+
+    def _aws(self, h, path, q):
+        tok = h.headers.get("X-aws-ec2-metadata-token")
+        if tok not in self.tokens or self.tokens[tok] < time.time():
+            self.unauthorized += 1
+            return h._send(401)
+        if path == "/latest/meta-data/instance-life-cycle":
+            return h._send(200, self.market)
+        if path == "/latest/meta-data/spot/instance-action":
+            if self.body_override is not None:
+                return h._send(200, self.body_override)
+            return h._send(200, json.dumps(self.action)) if self.action else h._send(404)
+        if path == "/latest/meta-data/events/maintenance/scheduled":
+            return h._send(200, json.dumps(self.maintenance or []))
+        if path == "/latest/meta-data/events/recommendations/rebalance":
+            return h._send(404)
+        h._send(404)
+
+    def _gcp(self, h, path, q):
+        if h.headers.get("Metadata-Flavor") != "Google":
+            return h._send(403)
+        if path.endswith("/instance/scheduling/provisioning-model"):
+            return h._send(200, "SPOT" if self.market == "spot" else "STANDARD")
+        if path.endswith("/instance/scheduling/preemptible"):
+            return h._send(200, "TRUE" if self.market == "spot" else "FALSE")
+        if path.endswith("/instance/maintenance-event"):
+            return h._send(200, self.maintenance or "NONE")
+        if path.endswith("/instance/preempted"):
+            value = lambda: self.action or "FALSE"  # noqa: E731
+            if q.get("wait_for_change") == ["true"]:
+                with self.changed:
+                    if q.get("last_etag", [""])[0] == f"e-{value()}":  # unchanged since that version: wait
+                        self.changed.wait(float(q.get("timeout_sec", ["30"])[0]))
+            return h._send(200, value(), ETag=f"e-{value()}")
+        h._send(404)
+
+    def _azure(self, h, path, q):
+        if h.headers.get("Metadata") != "true":
+            return h._send(400)
+        if path == "/metadata/instance/compute":
+            return h._send(200, json.dumps({"priority": "Spot" if self.market == "spot" else "Regular"}))
+        if path == "/metadata/instance/compute/name":
+            return h._send(200, "vm-7")
+        if path == "/metadata/scheduledevents":
+            return h._send(200, json.dumps({"DocumentIncarnation": 1, "Events": self.action or []}))
+        h._send(404)
+
+    def close(self):
+        self.httpd.shutdown()
+
+
+@pytest.fixture
+def fake(request):
+    f = Fake(request.param)
+    yield f
+    f.close()
+
+
+def _watch(md, **kw):
+    drains, lines = [], []
+    w = nw.Watcher(md, drain=lambda s, msg: drains.append((s, msg)) or True, log=lines.append, **kw)
+    return w, drains, lines
+
+
+def _iso(t: float) -> str:
+    return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@pytest.mark.parametrize("fake", ["aws"], indirect=True)
+def test_aws_spot_notice_drains_once_with_its_deadline_and_tokens_are_renewed(fake):
+    md = nw.detect(fake.url)
+    assert isinstance(md, nw.Aws)
+    w, drains, lines = _watch(md)
+    assert w.poll() == [] and drains == []
+    fake.set(action={"action": "terminate", "time": _iso(time.time() + 120)})
+    (n,) = w.poll()
+    assert n.kind == "spot" and len(drains) == 1 and 115 <= drains[0][0] <= 121, drains
+    assert "instance-action terminate" in drains[0][1]
+    assert w.poll() == [] and len(drains) == 1  # once per notice
+    # A token the endpoint expired: refused once, a new one taken, the read goes on.
+    fake.set(token_ttl_s=0.5, action=None)
+    md._token = None
+    w.poll()
+    time.sleep(1.0)
+    before = fake.unauthorized
+    assert w.poll() == [] and fake.unauthorized == before + 1 and not [x for x in lines if "unreadable" in x]
+
+
+@pytest.mark.parametrize("fake", ["aws"], indirect=True)
+def test_a_past_deadline_is_clamped_and_an_on_demand_node_drains_for_maintenance_as_set(fake):
+    md = nw.Aws(fake.url)
+    w, drains, lines = _watch(md)
+    fake.set(action={"action": "stop", "time": _iso(time.time() - 30)})
+    w.poll()
+    assert drains[0][0] == nw.MIN_NOTICE_S and "clamped" in lines[-1], (drains, lines)
+    fake.set(market="on-demand", action=None, maintenance=[
+        {"Code": "system-reboot", "EventId": "instance-event-1", "State": "active",
+         "NotBefore": datetime.datetime.fromtimestamp(time.time() + 600, datetime.timezone.utc)
+         .strftime("%d %b %Y %H:%M:%S GMT")}])
+    w, drains, _ = _watch(nw.Aws(fake.url))
+    (n,) = w.poll()
+    assert n.kind == "maintenance" and 590 <= drains[0][0] <= 601 and not w.spot
+    w, drains, _ = _watch(nw.Aws(fake.url), maintenance=False)
+    assert w.poll() == [] and drains == []
+
+
+@pytest.mark.parametrize("fake", ["aws"], indirect=True)
+def test_garbage_slowness_and_no_answer_are_one_line_each_and_never_a_drain(fake):
+    w, drains, lines = _watch(nw.Aws(fake.url))
+    fake.set(body_override="<html>oops</html>")
+    for _ in range(3):
+        assert w.poll() == []
+    assert drains == [] and len([x for x in lines if "unreadable" in x]) == 1, lines
+    fake.set(body_override=None, delay_s=nw.TIMEOUT_S + 1)
+    t0 = time.monotonic()
+    assert w.poll() == [] and time.monotonic() - t0 < 3 * nw.TIMEOUT_S + 2  # a timeout, not a hang
+    assert drains == [] and "unreadable" in lines[-1]
+    w, drains, lines = _watch(nw.Aws("http://127.0.0.1:1"))
+    assert w.poll() == [] and w.poll() == [] and drains == [] and len(lines) == 1, lines
+    assert nw.detect("http://127.0.0.1:1") is None
+
+
+@pytest.mark.parametrize("fake", ["gcp"], indirect=True)
+def test_gcp_preemption_is_seen_within_about_a_second_by_waiting_for_the_change(fake):
+    md = nw.detect(fake.url)
+    assert isinstance(md, nw.Gcp)
+    md.wait_s = 20
+    w, drains, _ = _watch(md)
+    got = {}
+
+    def look():
+        t0 = time.monotonic()
+        got["notices"], got["s"] = w.poll(), time.monotonic() - t0
+
+    t = threading.Thread(target=look)
+    t.start()
+    time.sleep(1.0)
+    t_notice = time.time()
+    fake.set(action="TRUE")
+    t.join(timeout=30)
+    assert [n.kind for n in got["notices"]] == ["preempt"] and 1.0 <= got["s"] < 3.0, got
+    assert drains[0][0] == pytest.approx(nw.GCP_NOTICE_S - (time.time() - t_notice), abs=1.5)
+    assert w.poll() == [] and len(drains) == 1
+
+
+@pytest.mark.parametrize("fake", ["azure"], indirect=True)
+def test_azure_preempt_events_for_this_vm_only(fake):
+    md = nw.detect(fake.url)
+    assert isinstance(md, nw.Azure)
+    w, drains, _ = _watch(md)
+    when = datetime.datetime.fromtimestamp(time.time() + 30, datetime.timezone.utc).strftime("%a, %d %b %Y %H:%M:%S GMT")
+    fake.set(action=[{"EventId": "A", "EventType": "Preempt", "Resources": ["vm-3"], "NotBefore": when}])
+    assert w.poll() == [] and drains == []  # another VM's
+    fake.set(action=[{"EventId": "B", "EventType": "Preempt", "Resources": ["vm-7"], "NotBefore": when}])
+    assert [n.kind for n in w.poll()] == ["preempt"] and 25 <= drains[0][0] <= 31
+
+
+@pytest.mark.parametrize("fake", ["aws"], indirect=True)
+def test_the_detached_start_leaves_one_watcher_that_outlives_its_shell(fake, tmp_path):
+    pid_file = tmp_path / "watcher.pid"
+    env = {**os.environ, nw.URL_ENV: fake.url}
+    cmd = f"{sys.executable} -m raytrain.notice_watcher --interval 1 --detach {pid_file}"
+    outs = [subprocess.run(["/bin/sh", "-c", cmd], env=env, capture_output=True, text=True, timeout=60)
+            for _ in range(2)]
+    assert [o.returncode for o in outs] == [0, 0], outs
+    assert "started" in outs[0].stdout and "already running" in outs[1].stdout, outs
+    pid = int(pid_file.read_text())
+    try:
+        mine = [p for p in os.listdir("/proc") if p.isdigit()
+                and b"raytrain.notice_watcher" in open(f"/proc/{p}/cmdline", "rb").read()
+                and str(pid_file).encode() not in open(f"/proc/{p}/cmdline", "rb").read()
+                and fake.url.encode() in open(f"/proc/{p}/environ", "rb").read()]
+        assert mine == [str(pid)] and os.getsid(pid) == pid  # exactly one, in a session of its own
+        time.sleep(1.5)
+        assert "aws spot node; watching reclaim notices" in (tmp_path / "watcher.pid.log").read_text()
+    finally:
+        os.kill(pid, signal.SIGTERM)
+    # Not a cloud VM: nothing started, and the start line succeeds.
+    out = subprocess.run(["/bin/sh", "-c", cmd.replace(str(pid_file), str(tmp_path / "none.pid"))],
+                         env={**env, nw.URL_ENV: "http://127.0.0.1:1"}, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "nothing to watch" in out.stdout and not (tmp_path / "none.pid").exists()
+
+
+@pytest.mark.parametrize("config", ["aws-spot.yaml", "gcp-spot.yaml"])
+@pytest.mark.parametrize("fake", ["aws"], indirect=True)
+def test_each_vm_config_starts_one_watcher_on_every_worker_after_ray(fake, config, tmp_path):
+    """The rendered start line of the config's workers, run here twice (a second `ray up`): one watcher."""
+    from pathlib import Path
+
+    import yaml
+
+    cfg = yaml.safe_load((Path(__file__).resolve().parents[1] / "cluster" / config).read_text())
+    cmds = cfg["worker_start_ray_commands"]
+    (line,) = [c for c in cmds if "raytrain.notice_watcher" in c]
+    assert cmds.index(line) > next(i for i, c in enumerate(cmds) if "ray start" in c) and "--detach" in line
+    line = line.replace("/home/ray/notice-watcher", str(tmp_path)).replace("$RAY_HEAD_IP", "127.0.0.1")
+    env = {**os.environ, nw.URL_ENV: fake.url, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
+    outs = [subprocess.run(["/bin/sh", "-c", line], env=env, capture_output=True, text=True, timeout=60)
+            for _ in range(2)]
+    pid = int((tmp_path / "watcher.pid").read_text())
+    try:
+        assert [o.returncode for o in outs] == [0, 0] and "already running" in outs[1].stdout, outs
+        assert f"pid {pid}" in outs[0].stdout and f"pid {pid}" in outs[1].stdout
+    finally:
+        os.kill(pid, signal.SIGTERM)
