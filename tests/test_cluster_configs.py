@@ -412,3 +412,16 @@ def test_version_check_catches_drift():
     drifted = _versions_named('image: rayproject/ray:2.9.3-py311-gpu\n pip install "ray[default]==2.9.3" "deepspeed==0.14.0"')
     assert drifted["ray"] == {"==2.9.3"} != {pins["ray"]}
     assert drifted["deepspeed"] == {"==0.14.0"}
+
+
+@pytest.mark.parametrize("manifest", sorted(KUBERAY), ids=str)
+def test_kuberay_drain_timeout_is_below_every_pods_grace_period(manifest):
+    """A pod's SIGTERM drains its Ray node for RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S (Ray's default 30 s): below the
+    pod's terminationGracePeriodSeconds (Kubernetes' default 30 s) with a margin, or the SIGKILL comes first."""
+    doc = yaml.safe_load((CLUSTER / "kuberay" / manifest).read_text())
+    spec = doc["spec"] if doc["kind"] == "RayCluster" else doc["spec"]["rayClusterSpec"]
+    for group in [spec["headGroupSpec"], *spec["workerGroupSpecs"]]:
+        pod = group["template"]["spec"]
+        env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+        drain = float(env.get("RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", 30))
+        assert drain + 3 <= pod.get("terminationGracePeriodSeconds", 30), (group.get("groupName", "head"), drain)
