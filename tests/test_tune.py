@@ -146,7 +146,16 @@ def test_microbatch_sweep_with_memory_cap_resume_then_train_best(ray_cluster, ti
 
 
 @pytest.mark.slow
-def test_asha_lr_sweep_stops_a_trial_early(ray_cluster, tiny_data, tmp_path):
+def test_asha_lr_sweep_stops_a_trial_early(ray_cluster, tiny_data, tmp_path, monkeypatch):
+    """With every gate of raytrain/internals closed (RAYTRAIN_INTERNALS=stock, as an upgraded Ray would; the session
+    cluster runs no dashboard): ASHA stops a trial, the sweep finishes, and no placement group is left behind
+    (the microbatch sweep's test runs with the gates open)."""
+    from ray.util import placement_group_table
+
+    from raytrain.internals.registry import FORCE_ENV
+
+    monkeypatch.setenv(FORCE_ENV, "stock")  # the trials' too (make_trainable passes it on)
+    before = {k for k, v in placement_group_table().items() if v["state"] != "REMOVED"}
     args = [*_data(tiny_data), *TINY, f"storage={tmp_path}", "name=asha", "budget.max_steps=6",
             "budget.num_samples=4", "scheduler.grace_period=2", "trial_overrides.run.eval_every=2",
             "trial_overrides.run.log_every=2", "trial_overrides.checkpoint.every_n_steps=100",
@@ -162,3 +171,12 @@ def test_asha_lr_sweep_stops_a_trial_early(ray_cluster, tiny_data, tmp_path):
     assert [t["val_loss"] for t in done] == sorted(t["val_loss"] for t in done)
     assert res["best"]["trial"] == done[0]["trial"]
     assert 1e-4 <= res["best"]["settings"]["optim.lr"] <= 1e-2
+    # The gates were closed in the trials: no memory snapshots (they rest on ZeRO's internals) in any trial's run.
+    trial_metrics = list((tmp_path / "asha" / "trials").glob("*/metrics.jsonl"))
+    assert len(trial_metrics) == 4, trial_metrics
+    assert not [p for p in trial_metrics if "snapshot_every" in p.read_text()]
+    deadline = time.time() + 60  # a stopped trial's group goes with its controller
+    while (left := {k for k, v in placement_group_table().items() if v["state"] != "REMOVED"} - before):
+        assert time.time() < deadline, {k: placement_group_table()[k] for k in left}
+        time.sleep(1)
+    assert ray.is_initialized()

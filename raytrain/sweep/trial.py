@@ -13,6 +13,7 @@ workers' metric reports reach Tune through a Train callback (TuneReportCallback)
 from __future__ import annotations
 
 import math
+import os
 import time
 from typing import Any, Optional
 
@@ -73,18 +74,41 @@ def _announce_controller(queue) -> Optional[Any]:
 
 
 def _abort_train_run() -> None:
-    queue = _RUN.pop("queue", None)
+    queue, run_uri = _RUN.pop("queue", None), _RUN.pop("run_uri", None)
     if queue is None:
         return
     try:
         controller = queue.get_nowait()
-    except Exception:  # noqa: BLE001 - nothing announced yet, or the queue is gone with its run
+    except Exception:  # noqa: BLE001 - nothing announced (its gate closed, or not yet), or the queue is gone
+        controller = None
+    if controller is None:
+        # Without the controller's handle, the trial actor's end takes the controller and its workers with it, but
+        # not their placement group (it lives as long as the sweep's driver): removed here, by the id rank 0 recorded.
+        _remove_placement_group(run_uri)
         return
     try:
         # abort() shuts the worker group down and removes its placement group, then exits the actor.
         abort_controller(controller, timeout_s=60)
     except Exception:  # noqa: BLE001 - the exit surfaces as an actor error; a finished run is gone already
         pass
+
+
+def _remove_placement_group(run_uri: Optional[str]) -> None:
+    """Ray's public API: the placement group of the run's newest attempt (attempts.jsonl), removed."""
+    from ray.util import placement_group_table
+    from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+    from raytrain.rundir import ATTEMPTS
+
+    if run_uri is None:
+        return
+    try:
+        attempts = RunDir(run_uri).read_jsonl(ATTEMPTS)
+        pg = attempts[-1].get("placement_group") if attempts else None
+        if pg and placement_group_table().get(pg, {}).get("state", "REMOVED") != "REMOVED":  # not a finished run's
+            remove_placement_group(PlacementGroup(ray.PlacementGroupID.from_hex(pg)))
+    except Exception as e:  # noqa: BLE001 - a group already gone; the trial ends either way
+        print(f"[raytrain] stopped trial: its placement group was not removed ({type(e).__name__}: {e})", flush=True)
 
 
 def _oom_reason(err: BaseException) -> Optional[str]:
@@ -134,6 +158,7 @@ def run_trial(config: dict, spec_dict: dict, sweep_dir: str) -> None:
             return
 
     queue = _RUN["queue"] = Queue(maxsize=1, actor_options={"num_cpus": 0})
+    _RUN["run_uri"] = cfg.run_uri
     forward = _ReportObjective(metric, cfg.run.max_steps)
     try:
         announce = _announce_controller(queue)
@@ -160,10 +185,16 @@ def run_trial(config: dict, spec_dict: dict, sweep_dir: str) -> None:
 
 
 def make_trainable(spec: SweepSpec, sweep_dir: str):
-    """The Tune trainable: run_trial plus an abort of the Train run when Tune stops the trial."""
+    """The Tune trainable: run_trial plus an abort of the Train run when Tune stops the trial. The sweep's own
+    environment that training workers take (trainer.PROPAGATED_ENV: RAYTRAIN_INTERNALS=stock among them) holds in
+    every trial too, whose process the cluster started before the sweep."""
+    from raytrain.trainer import worker_env
+
     spec_dict = spec.model_dump(mode="json")
+    env = worker_env()
 
     def raytrain_trial(config):
+        os.environ.update(env)
         run_trial(config, spec_dict, sweep_dir)
 
     class RaytrainTrial(wrap_function(raytrain_trial)):

@@ -323,6 +323,18 @@ def record_attempt(run_uri: str, rec: dict) -> None:
     RunDir(run_uri).append_jsonl(ATTEMPTS, rec)
 
 
+def _placement_group() -> dict:
+    """{"placement_group": id} of the worker group this rank runs in (Ray's public API), {} outside one: what a sweep's
+    stopped trial removes when it cannot ask the Train controller to (raytrain/sweep/trial.py)."""
+    try:
+        from ray.util.placement_group import get_current_placement_group
+
+        pg = get_current_placement_group()
+    except Exception:  # noqa: BLE001 - not in a Ray worker (tests of the loop's parts)
+        return {}
+    return {"placement_group": pg.id.hex()} if pg is not None else {}
+
+
 class Attempt:
     """Where this attempt started and when its first step was done (rank 0 records it in attempts.jsonl):
     recovery time, steps lost, cost. Owns the heartbeat that tells a later attempt how far this one got.
@@ -332,7 +344,7 @@ class Attempt:
         self.run_uri, self.t_start, self.boot, self.state = run_uri, t_start, boot, state
         self.beat = Heartbeat(run_uri, enabled=rank == 0)
         self.rec = {"attempt": state.restarts, "resumed_step": state.step, "time": round(t_start, 3),
-                    "world_size": world} if rank == 0 else None
+                    "world_size": world, **_placement_group()} if rank == 0 else None
         self.first = True
         boot["setup"] = time.time()
 
