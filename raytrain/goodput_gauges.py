@@ -108,7 +108,9 @@ class GoodputGauges:
         if g.get("sizes"):
             self._set("raytrain_world_size", g["sizes"][-1][1])
 
-    def _set(self, name: str, value: float, **extra: str) -> None:
+    def _set(self, name: str, value: Optional[float], **extra: str) -> None:
+        if value is None:  # not known yet (the run's first seconds: no wall time to divide by)
+            return
         tags = {**self.tags, **extra}
         with self._lock:
             self._last[(name, extra.get("kind", ""))] = (float(value), tags)

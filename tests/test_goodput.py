@@ -296,3 +296,30 @@ def test_the_live_reader_reads_only_what_a_file_gained_and_gives_the_same_ledger
     assert reader.read_jsonl(METRICS) == rd.read_jsonl(METRICS)
     storage.write_text(rd.uri(METRICS), "".join(lines[:-3]) + lines[-1])  # ... and finished
     assert reader.read_jsonl(METRICS) == rd.read_jsonl(METRICS) and reader.read_jsonl(METRICS)[-1]["step"] == 100
+
+
+def test_the_gauges_take_a_ledger_with_nothing_known_yet(tmp_path, monkeypatch):
+    """A run's first seconds: the ledger has no goodput yet (None); the gauges skip it instead of failing their
+    thread (found by bench part 1: a traceback in the run's output)."""
+    import ray.util.metrics
+
+    from raytrain.goodput_gauges import GoodputGauges
+
+    set_ = []
+
+    class G:
+        def __init__(self, name, **kw):
+            self.name = name
+
+        def set(self, value, tags):
+            set_.append((self.name, value, tags.get("kind")))
+
+    monkeypatch.setattr(ray.util.metrics, "Gauge", G)
+    g = GoodputGauges(str(tmp_path), "r", every_s=3600)
+    try:
+        g.update({"goodput": None, "wall_s": 0.0, "seconds": {"start/driver": 0.0}, "sizes": []})
+        g.update({"goodput": 0.5, "wall_s": 4.0, "seconds": {"productive": 2.0, "waiting": 2.0}, "sizes": [[1.0, 3]]})
+    finally:
+        g.close()
+    assert ("raytrain_goodput_ratio", 0.5, None) in set_ and not [s for s in set_ if s[1] is None]
+    assert ("raytrain_badput_seconds", 2.0, "waiting") in set_ and ("raytrain_world_size", 3.0, None) in set_
