@@ -121,15 +121,8 @@ def _worker(rank: int, world: int, port: int, cfg_dict: dict, split_dict: dict, 
             sched.step()
             opt.zero_grad(set_to_none=True)
         losses.append(loss.item())  # a loop that logs its loss syncs here too
-        if step % cfg.run.log_every == 0:
-            now = time.perf_counter()
-            windows.append(cfg.run.log_every * gb * seq / (now - t))
-            t = now
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump({"tokens_per_s_windows": windows, "losses": losses}, f)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+        t = _window(windows, t, step, cfg.run.log_every, gb * seq)
+    _finish(rank, out, windows, losses)
 
 
 def _kernels_loop(rank: int, world: int, cfg, split_dict: dict, out: str) -> None:
@@ -171,14 +164,27 @@ def _kernels_loop(rank: int, world: int, cfg, split_dict: dict, out: str) -> Non
             engine.step()
             total += loss.detach()
         losses.append(float(total) / acc)  # a loop that logs its loss reads it here
-        if step % cfg.run.log_every == 0:
-            now = time.perf_counter()
-            windows.append(cfg.run.log_every * gb * seq / (now - t))
-            t = now
+        t = _window(windows, t, step, cfg.run.log_every, gb * seq)
+    _finish(rank, out, windows, losses)
+
+
+def _window(windows: list[float], t: float, step: int, every: int, tokens_per_step: int) -> float:
+    """At a log step: the window's tokens/s appended; returns the next window's start."""
+    if step % every:
+        return t
+    now = time.perf_counter()
+    windows.append(every * tokens_per_step / (now - t))
+    return now
+
+
+def _finish(rank: int, out: str, windows: list[float], losses: list[float]) -> None:
+    import torch.distributed as dist
+
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"tokens_per_s_windows": windows, "losses": losses}, f)
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def plain_loop(cfg, split_dict: dict, out: str, use_deepspeed: bool = False, kernels: bool = False) -> list[float]:
