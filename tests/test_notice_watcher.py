@@ -213,7 +213,7 @@ def test_gcp_preemption_is_seen_within_about_a_second_by_waiting_for_the_change(
     t_notice = time.time()
     fake.set(action="TRUE")
     t.join(timeout=30)
-    assert [n.kind for n in got["notices"]] == ["preempt"] and 1.0 <= got["s"] < 3.0, got
+    assert [n.kind for n in got["notices"]] == ["preempt"] and 1.0 <= got["s"] < 5.0, got  # woken by the change, not its 20 s timeout
     assert drains[0][0] == pytest.approx(nw.GCP_NOTICE_S - (time.time() - t_notice), abs=1.5)
     assert w.poll() == [] and len(drains) == 1
 
