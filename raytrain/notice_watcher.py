@@ -239,14 +239,19 @@ def detect(base: Optional[str] = None) -> Optional[object]:
     return None
 
 
-def ray_drain(deadline_s: float, message: str, address: Optional[str]) -> bool:
-    """Ray's drain of this node (`ray drain-node`, the node's own Ray settings: token, TLS) with reason PREEMPTION;
-    whether Ray accepted it."""
+def drain_command(deadline_s: float, message: str, address: Optional[str], node_id: Optional[str] = None) -> list[str]:
+    """`ray drain-node` of this node (or `node_id`: several Ray nodes on one machine, as in drills) with reason
+    PREEMPTION and the seconds left (at least 1)."""
     cmd = [os.path.join(os.path.dirname(sys.executable), "ray"), "drain-node", "--reason",
            "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", message,
            "--deadline-remaining-seconds", str(max(1, int(deadline_s)))]
-    if address:
-        cmd += ["--address", address]
+    return cmd + (["--address", address] if address else []) + (["--node-id", node_id] if node_id else [])
+
+
+def ray_drain(deadline_s: float, message: str, address: Optional[str], node_id: Optional[str] = None) -> bool:
+    """Ray's drain of this node (`ray drain-node`, the node's own Ray settings: token, TLS) with reason PREEMPTION;
+    whether Ray accepted it."""
+    cmd = drain_command(deadline_s, message, address, node_id)
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     if out.returncode != 0:
         print(f"[raytrain] notice watcher: ray drain-node failed: {(out.stderr or out.stdout).strip()[-300:]}",
@@ -311,6 +316,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--rebalance", choices=("ignore", "drain"), default="ignore",
                    help="AWS rebalance recommendations: drain is irreversible (the node takes no new work)")
     p.add_argument("--maintenance", choices=("drain", "ignore"), default="drain")
+    p.add_argument("--node-id", help="the Ray node to drain (default: this machine's; drills run several on one)")
     p.add_argument("--detach", metavar="PID_FILE", help="run in a session of its own, once (the log beside it)")
     a = p.parse_args(argv)
     md = detect(os.environ.get(URL_ENV))
@@ -326,7 +332,7 @@ def main(argv: list[str]) -> int:
         pid, started = start_once(child, pid_file=a.detach, log_file=a.detach + ".log", ready=_after(1.0))
         print(f"notice watcher {'started' if started else 'already running'} (pid {pid}, {md.cloud})", flush=True)
         return 0
-    Watcher(md, drain=lambda s, msg: ray_drain(s, msg, a.address), interval_s=a.interval,
+    Watcher(md, drain=lambda s, msg: ray_drain(s, msg, a.address, a.node_id), interval_s=a.interval,
             rebalance=a.rebalance == "drain", maintenance=a.maintenance == "drain").run()
     return 0
 

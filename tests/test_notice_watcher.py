@@ -278,3 +278,15 @@ def test_each_vm_config_starts_one_watcher_on_every_worker_after_ray(fake, confi
         assert f"pid {pid}" in outs[0].stdout and f"pid {pid}" in outs[1].stdout
     finally:
         os.kill(pid, signal.SIGTERM)
+
+
+def test_the_drain_is_rays_own_command_for_this_node_or_the_one_named():
+    """`ray drain-node` with reason PREEMPTION and the seconds left (never 0): the options Ray 2.60's command takes."""
+    cmd = nw.drain_command(0.4, "AWS spot", "127.0.0.1:6379")
+    assert cmd[1:] == ["drain-node", "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "AWS spot",
+                       "--deadline-remaining-seconds", "1", "--address", "127.0.0.1:6379"]
+    assert nw.drain_command(95.7, "m", None, "abc")[-2:] == ["--node-id", "abc"]
+    help_ = subprocess.run([cmd[0], "drain-node", "--help"], capture_output=True, text=True, timeout=60).stdout
+    for opt in ("--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "--deadline-remaining-seconds",
+                "--address", "--node-id"):
+        assert opt in help_, opt
