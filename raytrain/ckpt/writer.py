@@ -8,7 +8,7 @@ import shutil
 import threading
 import time
 import uuid
-from typing import Optional
+from typing import Callable, Optional
 
 from raytrain import storage
 from raytrain.ckpt import catalog
@@ -31,8 +31,12 @@ class CheckpointWriter:
     warning, or a stop when `on_upload_failure: stop`. At most one save is in flight at a time.
     """
 
-    def __init__(self, ckpt_cfg, *, run_uri: str, rank: int, world: int, protect: tuple[str, ...] = ()):
+    def __init__(self, ckpt_cfg, *, run_uri: str, rank: int, world: int, protect: tuple[str, ...] = (),
+                 on_commit: Optional[Callable[[int], None]] = None):
         self.c, self.run_uri, self.rank, self.world = ckpt_cfg, run_uri, rank, world
+        # Told the step the moment rank 0 commits (from the upload's thread): the node actors learn of a commit
+        # even when rank 0 never reaches another step (stalled, or its node lost right after the manifest).
+        self.on_commit = on_commit
         self.protect = protect  # e.g. the checkpoint this attempt resumed from
         self.committed: Optional[str] = None  # newest checkpoint this writer committed (rank 0)
         self.failed: list[str] = []
@@ -126,6 +130,11 @@ class CheckpointWriter:
         try:
             self._commit(uri, step, recs, token, extra)
             self.committed = name
+            if self.on_commit is not None:
+                try:
+                    self.on_commit(step)
+                except Exception:  # noqa: BLE001 - a hint for memory restores; the next snapshot tells it again
+                    pass
             catalog.prune(self.run_uri, self.c.keep_last, protect=(uri, *self.protect), keep_every=self.c.keep_every)
         except Exception as e:  # noqa: BLE001
             self._fail(name, f"checkpoint {name} was not committed: {first_line(e)}")

@@ -123,9 +123,9 @@ class WorkerRun:
                           progress_every=progress_every(cfg.run.progress_every, cfg.run.log_every, cfg.run.max_steps))
         # Downstream (lm-eval) evaluations of committed checkpoints, on Ray tasks of their own (rank 0 hands over).
         self.downstream = DownstreamEvals(cfg.eval, run_uri=cfg.run_uri, enabled=rank == 0, log=say)
-        # The checkpoint this attempt resumed from is never pruned while it runs.
         self.writer = CheckpointWriter(cfg.checkpoint, run_uri=cfg.run_uri, rank=rank, world=world,
-                                       protect=(f"{cfg.run_uri}/{self.resumed_from}",) if resumed else ())
+                                       protect=(f"{cfg.run_uri}/{self.resumed_from}",) if resumed else (),  # never pruned
+                                       on_commit=self.memory.note_committed)  # the node actors learn of it at once
         self.cadence = cadence_for(cfg.checkpoint, run_started=started, restarts=earlier_attempts)
         # What this attempt's snapshots carry (the first attempt's start is its own, as attempts.jsonl will say).
         self.run_records = {"run_started": round(self.t_start, 3) if started is None else started, "attempts": earlier_attempts}
