@@ -14,7 +14,8 @@ were dropped on resume). Kinds, after Google's ml-goodput-measurement:
   evaluation, checkpoint - to the controller seeing the fault), `notice` (instead of `detect` after a preemption
   notice's checkpoint, itself a checkpoint stall: the ranks hold until the node goes), `teardown`, `schedule` (placing
   the new group), `workers` (Ray's worker processes), `restore` (finding, fetching and converting the checkpoint or
-  snapshot, loading it), `setup` (imports, model, engine), `first_step`;
+  snapshot, loading it), `setup` (imports, model, engine), `first_step` (up to its log record, the storage reads and
+  writes start-up defers past it included);
 - `waiting`: below an elastic run's MIN, waiting for nodes;
 - `finish`: after a submission's last step (the final checkpoint's upload, shutdown);
 - `start/unfinished`: a submission none of whose groups reached a first step (besides its waits);
@@ -55,7 +56,7 @@ def ledger(run_uri: str, *, reader=None) -> Optional[dict[str, Any]]:
     prev_end, prev_first = submitted, submitted
     for i, a in enumerate(attempts):
         nxt = attempts[i + 1] if i + 1 < len(attempts) else None
-        first_end = a.get("first_step_time", a["time"])
+        first_end = _first_end(a, nxt, steps)
         sub = max((t for t in submissions if t <= a["time"]), default=submitted)
         fresh = i == 0 or sub > prev_end  # this attempt opens a submission (the run was not running before it)
         if fresh and sub > prev_end:  # the previous submission's end, and any that never trained, then none running
@@ -92,6 +93,16 @@ def ledger(run_uri: str, *, reader=None) -> Optional[dict[str, Any]]:
             "seconds": {k: round(v, 3) for k, v in sorted(sec.items(), key=lambda kv: -kv[1])},
             "goodput": round(good / wall, 4) if wall > 0 else None, "attempts": per_attempt,
             "sizes": [(p["first_step"], p["world_size"]) for p in per_attempt]}
+
+
+def _first_end(a: dict, nxt: Optional[dict], steps: list[dict]) -> float:
+    """When an attempt's first step was done: its recorded time (after the records start-up deferred were opened),
+    or, where that step was logged, its log record's (the attempt's own record written first)."""
+    t = float(a.get("first_step_time", a["time"]))
+    first = int(a.get("resumed_step") or 0) + 1
+    logged = [r["time"] for r in steps if "loss" in r and int(r["step"]) == first and r["time"] >= t - 1e-3
+              and (nxt is None or r["time"] < nxt["time"])]
+    return min(logged, default=t)
 
 
 def _steps_after_first(mine: list[dict], first_end: float, resumed: int, kept: Optional[int]) -> int:
@@ -189,10 +200,15 @@ def _training(mine: list[dict], first_end: float, end: float, *, resumed: int, l
     stalls = after = 0.0  # checkpoint stalls no window has counted yet; seconds after the last log not on steps
     for r in mine:
         ev = float(r.get("eval_s") or 0.0)
+        if "loss" in r and r["time"] <= first_end + 1e-3:
+            # The first step's own record ends the start's first_step phase, an evaluation at that step included
+            # (whose seconds the next window's step time holds too).
+            carried = ev
+            continue
         out["evaluation"] += ev
-        if "loss" in r and r["time"] > first_end + 1e-3:
+        if "loss" in r:
             step = int(r["step"])
-            n = max(1, step - last_step) if step > resumed + 1 else 0  # the first step: the start's first_step phase
+            n = max(1, step - last_step)
             last_step = step
             d = float(r.get("step_time_s") or 0.0) * n
             wait = float(r.get("phase_data_wait_s") or 0.0) * n

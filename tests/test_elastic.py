@@ -239,9 +239,9 @@ def test_a_run_shrinks_when_a_node_is_lost_and_grows_back_with_the_losses_of_an_
     # The ledger: every second of the wall time once, the start, the restart after the lost node and the resize apart.
     g = run.read_json(GOODPUT)
     assert abs(sum(g["seconds"].values()) - g["wall_s"]) <= 0.01 * g["wall_s"]
-    # (What the ledger cannot place: 0.1 s of this drill's 70 s with local storage, 1.6 s with checkpoints on the S3
-    # server here, not yet explained: at most 1 % or 2 s.)
-    assert g["seconds"]["other"] <= max(0.01 * g["wall_s"], 2.0), g["seconds"]
+    # (What the ledger cannot place, the loop's own work between log windows: 0.14 s of this drill's 86 s. The storage
+    # work an attempt defers past its first step - 0.7-0.8 s a restart on the S3 server here - is its first_step phase.)
+    assert g["seconds"]["other"] <= 0.01 * g["wall_s"], g["seconds"]
     assert [a["kind"] for a in g["attempts"]] == ["start", "restart", "resize"]
     assert [a["world_size"] for a in g["attempts"]] == [3, 2, 3]
     assert g["seconds"]["productive"] > 0 and g["seconds"]["restart/workers"] > 0 and g["seconds"]["resize/restore"] > 0

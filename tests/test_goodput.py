@@ -217,9 +217,9 @@ def test_resubmissions_a_timed_out_wait_and_a_resume_from_a_memory_snapshot(tmp_
     _event(rd, "submitted", 100)  # 60-100 not running; 100-110 a start that never got there; 110-200 not running
     _event(rd, "ended", 110, ok=False)
     _event(rd, "submitted", 200)  # start: driver 200-203, workers 203-205, restore 205-206 and 207-208, setup 206-207,
-    _attempt(rd, 1, t=205, first=210, resumed=23, world=2, boot=_boot(1, 2, 3), ctl={"group_starting": 203},
-             beat=(0, 25, 35, 38))  # first step 208-210
-    _log(rd, 24, 210.01, step_s=1.5)  # the first step's own line (log every step): the start's first_step already
+    _attempt(rd, 1, t=205, first=209.99, resumed=23, world=2, boot=_boot(1, 2, 3), ctl={"group_starting": 203},
+             beat=(0, 25, 35, 38))  # first step 208-210: up to its own log line (the attempt's record written first)
+    _log(rd, 24, 210, step_s=1.5)  # the first step's own line (log every step): the start's first_step already
     for step in range(25, 29):
         _log(rd, step, 211 + step - 25)  # steps 25-28: 4 s
     _ckpt(rd, 28, 216, 2)

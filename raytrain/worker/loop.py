@@ -157,12 +157,11 @@ class WorkerRun:
             verdict, aux = self.step(rows)
             if self._judge(verdict):
                 continue  # rolled back
-            if self.attempt.stepped():
-                host_heap.steady(zero_stage=cfg.deepspeed.zero_stage, dp_size=self.dp_size)
-                self._open_records()
             self.state.samples_seen += gb
             self.state.tokens_seen += gb * cfg.model.seq_len
             self.window.steps += 1
+            if self.attempt.first:
+                self._first_step_done()
             self.after_step(verdict, aux)
             self.probe.end(acts=any(self._due(self.state.step)))
         self.finish()
@@ -263,6 +262,17 @@ class WorkerRun:
         if verdict.preempted:
             self._leave_for_preemption()
         self.records.report()  # the step's validation and checkpoint records, if any: one report (collective)
+
+    def _first_step_done(self) -> None:
+        """After the attempt's first step: the records start-up deferred are opened, then the attempt is recorded
+        with its first step's time (the goodput ledger counts the deferred work in the first step's phase). Unless
+        the step is logged, the log window restarts here: a first step's warm-up is not the run's throughput, and
+        every later window's step time then covers exactly its own steps."""
+        host_heap.steady(zero_stage=self.cfg.deepspeed.zero_stage, dp_size=self.dp_size)
+        self._open_records()
+        if not self._due(self.state.step)[0]:
+            self.window.reset()
+        self.attempt.stepped()
 
     def _open_records(self) -> None:
         """After the attempt's first step: what start-up would otherwise read and write in storage between a fault

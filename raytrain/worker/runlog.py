@@ -357,10 +357,10 @@ class Attempt:
         if not self.first:
             self.beat.beat(step)
 
-    def stepped(self) -> bool:
-        """After the step's verdict; True after the first only (then the attempt's record, its heartbeat)."""
+    def stepped(self) -> None:
+        """After the attempt's first step: the attempt's record, its heartbeat."""
         if not self.first:
-            return False
+            return
         self.first = False
         now = time.time()
         if self.rec is not None:
@@ -375,7 +375,6 @@ class Attempt:
                 rec["controller"] = ctl
             record_attempt(self.run_uri, rec)
         self.beat.start(self.state.restarts, self.state.step)
-        return True
 
     def close(self) -> None:
         self.beat.close()
