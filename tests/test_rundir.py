@@ -1,5 +1,8 @@
 """The run directory's one owner: torn JSONL lines never break a reader, appends after a torn line stay lines."""
 
+import gc
+import os
+
 from raytrain.ckpt.catalog import describe
 from raytrain.export import reported_val
 from raytrain.rundir import ATTEMPTS, METRICS, SUMMARY, RunDir
@@ -45,3 +48,9 @@ def test_a_local_run_log_appends_each_record_and_rewrites_the_file_only_when_it_
     log.write({"step": 121, "loss": 0.5}, sync=True)
     assert [r["step"] for r in RunDir(str(tmp_path)).read_jsonl(METRICS)] == list(range(1, 122))
     assert len(whole) <= 3 and log.unsynced() == []
+    # Each attempt's local copy of the history goes with its log (else /tmp gains a copy of it per attempt).
+    local = os.path.dirname(log._local)
+    assert os.path.isdir(local)
+    del log
+    gc.collect()
+    assert not os.path.exists(local)

@@ -11,10 +11,12 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import sys
 import tempfile
 import threading
 import time
+import weakref
 from typing import Any, Optional
 
 from raytrain import storage
@@ -91,7 +93,10 @@ class RunLog:
         storage request stands between a fault and the first resumed step."""
         if self._history is not None:
             return
-        self._local = os.path.join(tempfile.mkdtemp(prefix="raytrain-log-"), METRICS)
+        local_dir = tempfile.mkdtemp(prefix="raytrain-log-")
+        # Removed when this log goes or the process exits: every attempt opens one, a copy of the run's whole history.
+        weakref.finalize(self, shutil.rmtree, local_dir, True)
+        self._local = os.path.join(local_dir, METRICS)
         # What the resumed step's checkpoint already covers; from step 0 that is nothing (the validation at step 0
         # runs again, and must not be in the file twice).
         # `tail`: the records a memory snapshot carried that had not reached storage when its attempt died (remote
