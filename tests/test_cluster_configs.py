@@ -185,8 +185,9 @@ def test_cloud_configs_keep_the_ca_key_on_the_head_and_workers_get_certificates_
     run_env = {"RAY_AUTH_TOKEN": token, "AWS_DEFAULT_REGION": "us-west-2"}  # an EC2 head: its metadata's region
 
     def on(node: str, cmd: str) -> str:
-        for old, new in ((ca_dir, f"{tmp_path}/{node}/tls-ca"), (cert_dir, f"{tmp_path}/{node}/tls"),
-                         ("/home/ray/tls-signer", f"{tmp_path}/{node}/signer"), ("8477", str(port)),
+        # (the signer's folder first: the certificates' folder is a prefix of its name)
+        for old, new in (("/home/ray/tls-signer", f"{tmp_path}/{node}/signer"), (ca_dir, f"{tmp_path}/{node}/tls-ca"),
+                         (cert_dir, f"{tmp_path}/{node}/tls"), ("8477", str(port)),
                          ("$RAY_HEAD_IP", "127.0.0.1")):
             cmd = cmd.replace(old, new)
         return cmd
@@ -210,9 +211,8 @@ def test_cloud_configs_keep_the_ca_key_on_the_head_and_workers_get_certificates_
         assert "already running" in _sh(on("head", head[at["--detach"]]), run_env)  # `ray up` again: no second one
         request = next(c for c in worker if "tls_signer request" in c)
         _sh(on("worker", request), run_env)
-    finally:
-        if pid_file.exists():
-            os.kill(int(pid_file.read_text()), signal.SIGTERM)
+    finally:  # (the test fails if the signer's pid file is not where the config says)
+        os.kill(int(pid_file.read_text()), signal.SIGTERM)
     node = tmp_path / "worker" / "tls"
     tls.check_pair(str(node / "server.crt"), str(node / "server.key"), "test", ca=laptop["ca.crt"])
     assert tls.names_of(tls.load_certificate(str(node / "server.crt"), "test"))[0] == "127.0.0.1"
