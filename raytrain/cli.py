@@ -22,11 +22,21 @@ def command(name: str):
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="raytrain", description=__doc__)
+    p.add_argument("--version", action="version", version=f"raytrain {_version()}")
     sub = p.add_subparsers(dest="cmd", required=True)
     for name in COMMANDS:
         mod = command(name)
         mod.add_parser(sub).set_defaults(run=mod.run)
     return p
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("raytrain")
+    except PackageNotFoundError:  # a source tree on PYTHONPATH, not installed
+        return "(not installed)"
 
 
 def main(argv: list[str] | None = None) -> int:

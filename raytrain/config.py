@@ -21,6 +21,13 @@ from raytrain import storage
 from raytrain.errors import UserError
 
 RECIPES_DIR = Path(__file__).parent / "recipes"
+# What `raytrain train` and `raytrain config` take without --config: the laptop recipe, said on their first line.
+DEFAULT_RECIPE = "tiny"
+
+
+def no_recipe_line() -> str:
+    return (f"no --config given: the laptop recipe `{DEFAULT_RECIPE}` (raytrain/recipes/{DEFAULT_RECIPE}.yaml: a tiny "
+            "model, runs in ./runs); name a recipe or a YAML file with --config")
 
 
 class YamlLoader(yaml.SafeLoader):
@@ -700,14 +707,22 @@ def reference_markdown() -> str:
 
 def _reference_rows(prefix: str, cls: type[BaseModel]) -> list[str]:
     """One table row per key of a section; a nested section (metrics.wandb) gives one row per key of its own."""
+    return [f"| `{key}` | `{ann}` | `{default}` | {meaning} |" for key, ann, default, meaning in key_rows(cls, prefix)]
+
+
+def key_rows(cls: type[BaseModel], prefix: str = "") -> list[tuple[str, str, str, str]]:
+    """(dotted key, type, default as JSON, meaning) of every key of a section, a nested section's keys one by one: the
+    reference tables of docs/CONFIG.md and `raytrain prepare --help`."""
     rows = []
     for name, f in cls.model_fields.items():
+        key = f"{prefix}.{name}" if prefix else name
         if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel):
-            rows += _reference_rows(f"{prefix}.{name}", f.annotation)
+            rows += key_rows(f.annotation, key)
             continue
-        ann = str(f.annotation).replace("typing.", "").replace("<class '", "").replace("'>", "").replace("raytrain.config.", "")
+        ann = str(f.annotation).replace("typing.", "").replace("<class '", "").replace("'>", "")
+        ann = re.sub(r"raytrain(\.\w+)*\.", "", ann)
         default = f.default_factory() if f.default_factory else f.default
-        rows.append(f"| `{prefix}.{name}` | `{ann}` | `{json.dumps(default)}` | {f.description or ''} |")
+        rows.append((key, ann, json.dumps(default), f.description or ""))
     return rows
 
 

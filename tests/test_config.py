@@ -79,9 +79,36 @@ def test_config_reference_doc_is_current():
     from pathlib import Path
 
     from raytrain.config import reference_markdown
+    from raytrain.data.prepare import reference_markdown as prepare_keys
 
     doc = Path(__file__).parent.parent / "docs" / "CONFIG.md"
-    assert doc.read_text() == reference_markdown() + "\n", "regenerate: raytrain config --reference > docs/CONFIG.md"
+    assert doc.read_text() == reference_markdown() + "\n" + prepare_keys() + "\n", \
+        "regenerate: raytrain config --reference > docs/CONFIG.md"
+
+
+def test_prepare_help_lists_every_prepare_key_and_the_version_and_recipe_are_said(capsys):
+    """`raytrain prepare --help` names every key of the prepare schema (nested ones dotted) with its default;
+    `raytrain --version` prints the installed version; `raytrain config` without --config says which recipe it took."""
+    from importlib.metadata import version
+
+    from raytrain.cli import main
+    from raytrain.config import key_rows
+    from raytrain.data.prepare import PrepareConfig
+
+    with pytest.raises(SystemExit) as e:
+        main(["prepare", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    keys = [k for k, *_ in key_rows(PrepareConfig)]
+    assert "decontaminate.ngram" in keys and len(keys) == len(set(keys)) > 30
+    for key, _, default, _ in key_rows(PrepareConfig):
+        assert f"  {key}: " in out and f"default {default}" in out, key
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"raytrain {version('raytrain')}"
+    assert main(["config"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("# no --config given: the laptop recipe `tiny`"), first
 
 
 def test_retired_key_in_a_file_loads_with_a_warning_but_not_as_an_override(tmp_path, capsys):

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from raytrain.config import DEFAULT_RECIPE, no_recipe_line
+
 
 def add_parser(subparsers):
     c = subparsers.add_parser("config", help="print the resolved config")
-    c.add_argument("--config", "-c", default="tiny")
+    c.add_argument("--config", "-c", default=None,
+                   help=f"recipe name or path to a YAML file (default: {DEFAULT_RECIPE}, said on the first line)")
     c.add_argument("--reference", action="store_true", help="print every config key as Markdown")
     c.add_argument("overrides", nargs="*")
     return c
@@ -15,9 +18,14 @@ def run(args) -> int:
     from raytrain.config import load_config, reference_markdown
 
     if args.reference:
+        from raytrain.data.prepare import reference_markdown as prepare_keys
+
         print(reference_markdown())
+        print(prepare_keys())
         return 0
-    cfg = load_config(args.config, args.overrides)
+    if args.config is None:
+        print(f"# {no_recipe_line()}")
+    cfg = load_config(args.config or DEFAULT_RECIPE, args.overrides)
     print(cfg.to_yaml(), end="")
     acc = "chosen at train start" if cfg.batch.micro_batch_size == "auto" else cfg.accumulation
     if cfg.scaling.elastic:

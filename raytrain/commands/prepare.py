@@ -12,7 +12,20 @@ def add_parser(subparsers):
     pr.add_argument("--config", "-c", default=None, help="YAML file of prepare settings")
     pr.add_argument("overrides", nargs="*", help="e.g. inputs=[python-docs] out=data/docs seq_len=128")
     pr.add_argument("--json", action="store_true", help="print the full report as JSON (progress lines go to stderr)")
+    # Every key, from the schema itself; read only when help is asked for (it imports the data package).
+    pr.format_help = lambda: type(pr).format_help(pr) + "\nprepare keys (key: type, default - meaning):\n" + _keys()
     return pr
+
+
+def _keys() -> str:
+    import textwrap
+
+    from raytrain.config import key_rows
+    from raytrain.data.prepare import PrepareConfig
+
+    return "".join(textwrap.fill(f"{k}: {t}, default {d}" + (f" - {m}" if m else ""), width=100,
+                                 initial_indent="  ", subsequent_indent="      ") + "\n"
+                   for k, t, d, m in key_rows(PrepareConfig))
 
 
 def run(args) -> int:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from raytrain.console import say
+from raytrain.config import DEFAULT_RECIPE, no_recipe_line
+
 
 def add_parser(subparsers):
     t = subparsers.add_parser("train", help="train a model (resumes if the run already has checkpoints)")
-    t.add_argument("--config", "-c", default="tiny", help="recipe name (tiny, ...) or path to a YAML file")
+    t.add_argument("--config", "-c", default=None,
+                   help=f"recipe name (tiny, gpt2-124m, ...) or path to a YAML file (default: {DEFAULT_RECIPE}, said)")
     t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=3e-4 model.n_layer=4")
     return t
 
@@ -15,9 +19,12 @@ def run(args) -> int:
     from raytrain.ray_connect import check_address
     from raytrain.trainer import train
 
-    cfg = load_config(args.config, args.overrides)
+    if args.config is None:
+        say(f"[raytrain] {no_recipe_line()}")
+    recipe = args.config or DEFAULT_RECIPE
+    cfg = load_config(recipe, args.overrides)
     check_address("train", cfg.scaling.address)  # before the data is checked: the address is the first problem
-    summary = train(cfg, submitted={"recipe": args.config, "overrides": list(args.overrides)})
+    summary = train(cfg, submitted={"recipe": recipe, "overrides": list(args.overrides)})
     print(format_summary(summary))
     return 0
 

@@ -24,7 +24,7 @@ import yaml
 from pydantic import Field
 
 from raytrain import storage
-from raytrain.config import Section, load_tree
+from raytrain.config import Section, key_rows, load_tree
 from raytrain.data import manifest as mf
 from raytrain.data import pipeline, provenance
 from raytrain.data.corpus import BUILTIN
@@ -50,13 +50,13 @@ class PrepareConfig(Section):
     formats: list[Literal["parquet", "webdataset"]] = Field(default_factory=lambda: ["parquet"], min_length=1,
                                                            description="shard formats to write (both allowed; same samples, same order)")
     tokenizer: Optional[str] = Field(None, description="existing tokenizer.json, or a local Hugging Face tokenizer directory, to use instead of training one")
-    vocab_size: int = Field(2048, ge=260)
+    vocab_size: int = Field(2048, ge=260, description="tokens of a trained tokenizer (ignored with `tokenizer`)")
     special_tokens: list[str] = Field(default_factory=list, description="extra special tokens for a trained tokenizer (eot_token is always one)")
     eot_token: str = Field(EOT, description="end-of-text token placed between packed documents")
     tokenizer_sample_docs: int = Field(20_000, ge=0, description="train the tokenizer on this many train documents drawn by hash with the seed (and at most 200 MB of text); 0: all")
-    seq_len: int = Field(128, ge=2)
-    val_fraction: float = Field(0.05, ge=0.0, lt=1.0)
-    shard_rows: int = Field(1024, ge=1)
+    seq_len: int = Field(128, ge=2, description="tokens per training sequence (rows hold seq_len+1: inputs and the next-token targets); a run's model.seq_len must equal it")
+    val_fraction: float = Field(0.05, ge=0.0, lt=1.0, description="share of the documents held out for validation, chosen by hash with the seed")
+    shard_rows: int = Field(1024, ge=1, description="sequences per shard file")
     text_mode: Literal["file", "line"] = Field("file", description="plain-text inputs: one document per file, or per non-blank line")
     invalid_utf8: Literal["replace", "drop"] = Field("replace", description="documents with invalid UTF-8: replace the bad bytes (U+FFFD) or drop the document (counted)")
     partition_mb: float = Field(8.0, gt=0, description="input MB per output partition: the unit of de-duplication, tokenizing and packing (one task each, its memory grows with it); part of what the output depends on, never the cluster")
@@ -77,7 +77,15 @@ class PrepareConfig(Section):
     too_long: Literal["truncate", "drop"] = Field("truncate", description="examples longer than seq_len+1 tokens: cut to it or leave out (either is counted in the report)")
     decontaminate: DecontaminateSection = Field(default_factory=DecontaminateSection, description="drop training documents that share an n-gram with evaluation data (raytrain/data/contamination.py)")
     provenance: bool = Field(True, description="write each packed row's documents (source file, record, token span) beside the shards, for `raytrain data trace`, and the inputs' sha256 for lineage (raytrain/data/provenance.py)")
-    seed: int = Field(0, ge=0, lt=2**32)
+    seed: int = Field(0, ge=0, lt=2**32, description="the hash seed of the validation split and the tokenizer's sample")
+
+
+def reference_markdown() -> str:
+    """Every prepare key with type, default and meaning (docs/CONFIG.md's last table; `raytrain config --reference`)."""
+    rows = [f"| `{k}` | `{t}` | `{d}` | {m} |" for k, t, d, m in key_rows(PrepareConfig)]
+    return "\n".join(["## `raytrain prepare` keys", "", "Set in a YAML file (`raytrain prepare --config FILE`) or as "
+                      "overrides (`raytrain prepare inputs=[docs] seq_len=1024`).", "",
+                      "| key | type | default | meaning |", "| --- | --- | --- | --- |", *rows, ""])
 
 
 def load_prepare_config(path: Optional[str], overrides: list[str]) -> PrepareConfig:
