@@ -141,3 +141,13 @@ def test_allocator_settings_of_the_driver_reach_the_training_workers(monkeypatch
     assert worker_env() == {}
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
     assert worker_env() == {"MALLOC_MMAP_THRESHOLD_": "65536"}
+
+
+def test_the_readmes_error_example_is_what_raytrain_prints(capsys):
+    from pathlib import Path
+
+    from raytrain.cli import main
+
+    assert main(["config", "--config", "tiny", "no.such.key=1"]) == 2
+    line = capsys.readouterr().err.strip()
+    assert line in (Path(__file__).parent.parent / "README.md").read_text(), line
