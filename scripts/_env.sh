@@ -77,7 +77,7 @@ export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$VENV/torch_extensions}"
 # behind, and every later DeepSpeed start then waits on it forever. No build takes minutes here, so a
 # lock older than 10 minutes is stale.
 find "$TORCH_EXTENSIONS_DIR" -name lock -mmin +10 -delete 2>/dev/null || true
-# Ray's token authentication (pitfalls #2): clients and clusters we start agree on token mode, and a
+# Ray's token authentication: clients and clusters we start agree on token mode, and a
 # token exists before the first `ray start` (which refuses to start without one). Never overwritten.
 export RAY_AUTH_MODE="${RAY_AUTH_MODE:-token}"
 RAYTRAIN_AUTH_LINE="$(python -m raytrain.ray_auth)"

@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> dict:
         if set(parts) & {"overhead", "readers", "ingest", "recovery", "dataplane_runs", "trackers"}:
             import ray
 
-            # Logical CPUs above the 2 training workers, so Ray Data always has room (pitfalls #1).
+            # Logical CPUs above the 2 training workers, so Ray Data always has room (a job holding every CPU starves its data pipeline).
             if not ray.is_initialized():
                 from raytrain.ray_auth import ensure_token
 

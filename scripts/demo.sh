@@ -14,7 +14,7 @@ RUN_NAME="demo-$(date +%Y%m%d-%H%M%S)"
 GCS_PORT="${RAYTRAIN_DEMO_PORT:-6390}"
 DASH_PORT="${RAYTRAIN_DEMO_DASHBOARD_PORT:-8290}"
 # Logical CPUs: 2 training workers x 1 CPU + CPUs for Ray Data, independent of the cores present
-# (a Train job that takes every CPU starves its own data pipeline; pitfalls #1).
+# (a Train job that takes every CPU starves its own data pipeline).
 NUM_CPUS="${RAYTRAIN_DEMO_CPUS:-4}"
 
 if [ ! -f "$DATA/train/manifest.json" ] || [ ! -f "$DATA/val/manifest.json" ]; then

@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     _GCS_PORT[:] = [args.address.rsplit(":", 1)[-1]]
 
-    # The clusters we start use token auth (pitfalls #2); Ray reads the mode when first imported.
+    # The clusters we start use token authentication; Ray reads the mode when first imported.
     from raytrain.ray_auth import ensure_token
 
     ensure_token(create=False)

@@ -28,7 +28,7 @@ def anchored(spec: SweepSpec) -> SweepSpec:
 
 
 def concurrency(cfg: Config, spec: SweepSpec, cluster: dict) -> int:
-    """Trials that fit at once: each needs its workers' resources plus Ray Data's CPUs (pitfalls #1) plus
+    """Trials that fit at once: each needs its workers' resources plus Ray Data's CPUs (a trial holding every CPU starves its own data pipeline) plus
     its driver. More would only start Train runs that wait for each other's resources."""
     if spec.search.method == "microbatch":
         return 1  # throughput is measured: trials must not share the machine (and each depends on the last)

@@ -3,7 +3,7 @@
 A collective that never completes (a dead or stalled peer, a wrong network interface) is the classic
 silent hang of distributed training. The process group is created with `scaling.collective_timeout_s`
 so the backend gives up; this module names what was waiting: the rank, the collective, how long, and
-the settings that matter (PRODUCT.md). A watcher thread also logs, once, a collective that has taken
+the settings that matter. A watcher thread also logs, once, a collective that has taken
 more than half the timeout. On NCCL the watchdog kills the process at the timeout (Ray sets
 TORCH_NCCL_ASYNC_ERROR_HANDLING=1) before Python sees an error, so there the watcher also files the
 diagnosis just before the timeout, and withdraws it if the collective completes after all.

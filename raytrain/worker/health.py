@@ -1,4 +1,4 @@
-"""Health rules (PRODUCT.md) as small objects checked in the training loop, and the advice each violation carries.
+"""Health rules as small objects checked in the training loop, and the advice each violation carries.
 
 A rule looks at one record (a step's loss, or a log step's metrics) and returns a Violation or None.
 The monitor logs a rule's first violation with its advice, counts every one (metrics and summary), and
@@ -16,8 +16,8 @@ from typing import Callable, Optional
 
 from raytrain.config import Config, HealthSection
 
-# PRODUCT.md's GPU thresholds, and what a CPU run gets instead (a tiny model at a high learning rate on
-# one core has bigger gradients and far lower FLOP/s than anything the GPU numbers were made for).
+# The thresholds for GPU runs, and what a CPU run gets instead (a tiny model at a high learning rate on one core has
+# bigger gradients and far lower FLOP/s than anything the GPU numbers were made for).
 GPU_DEFAULTS = {"min_tflops_per_worker": 0.8, "grad_norm_max": 1.0}
 CPU_DEFAULTS = {"min_tflops_per_worker": 1e-4, "grad_norm_max": 10.0}
 
@@ -54,7 +54,7 @@ class Thresholds:
         )
 
 
-# ---- advice (PRODUCT.md: what the tool should tell a person when things go wrong) ----
+# ---- advice: what to tell a person when things go wrong ----
 
 def convergence_advice(history: "History") -> str:
     lrs = ", ".join(f"{s}:{v:.2e}" for s, v in history.lr[-5:]) or "-"
