@@ -121,6 +121,13 @@ def test_serve_rejects_missing_or_incomplete_models(tmp_path, capsys):
     assert "is incomplete: no weights" in err and err.count("\n") == 1
     assert main(["serve", "promote"]) == 2
     assert "needs --url" in capsys.readouterr().err
+    # `serve run MODEL` is `serve MODEL`; an action and a model together, or run without one: one line each.
+    assert main(["serve", "run", str(tmp_path / "half")]) == 2
+    assert "is incomplete: no weights" in capsys.readouterr().err
+    assert main(["serve", "run"]) == 2 and "serve run needs a MODEL" in capsys.readouterr().err
+    assert main(["serve", "rollback", str(tmp_path / "half")]) == 2
+    err = capsys.readouterr().err
+    assert "one of run, promote, rollback, split first" in err and err.count("\n") == 1
 
 
 def test_cluster_serve_config_matches_serves_schema_and_the_app_builder():

@@ -1,16 +1,21 @@
-"""`raytrain serve`: a model over HTTP(S) on Ray Serve, or `serve promote|rollback|split` on a running server."""
+"""`raytrain serve`: `serve run MODEL` (or `serve MODEL`) on Ray Serve, or `serve promote|rollback|split` on a server."""
 
 from __future__ import annotations
 
 from raytrain.errors import UserError
 
+ACTIONS = ("run", "promote", "rollback", "split")  # (room for more: a model directory named like one needs `serve run`)
+
 
 def add_parser(subparsers):
-    sv = subparsers.add_parser("serve", help="serve a model over HTTP on Ray Serve (POST /predict, OpenAI's /v1/completions and "
-                               "/v1/chat/completions); "
-                               "`serve promote|rollback|split --url URL` moves traffic between versions")
-    sv.add_argument("model", help="exported model directory (local or s3://), a run directory (its newest complete "
-                    "checkpoint, exported on the fly), RUN@TAG (a tagged version), or promote / rollback / split")
+    sv = subparsers.add_parser("serve", help="`serve run MODEL` (or `serve MODEL`): a model over HTTP on Ray Serve "
+                               "(POST /predict, OpenAI's /v1/completions and /v1/chat/completions); "
+                               "`serve promote|rollback|split --url URL` moves traffic between versions",
+                               usage="raytrain serve {run MODEL | MODEL | promote | rollback | split} [options]")
+    sv.add_argument("action", metavar="ACTION", help=f"{' | '.join(ACTIONS)}; anything else is a MODEL to run "
+                    "(`serve MODEL` = `serve run MODEL`)")
+    sv.add_argument("model", nargs="?", default=None, metavar="MODEL", help="with run: an exported model directory (local or s3://), a "
+                    "run directory (its newest complete checkpoint, exported on the fly) or RUN@TAG (a tagged version)")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     sv.add_argument("--version", default=None, help="version name in responses (default: the tag, the directory's "
@@ -47,10 +52,17 @@ def add_parser(subparsers):
 def run(args) -> int:
     from raytrain.serving.run import serve_forever, traffic
 
-    if args.model in ("promote", "rollback", "split"):
+    if args.action == "run" and args.model is None:
+        raise UserError("serve run needs a MODEL: an exported model directory, a run directory or RUN@TAG")
+    if args.action != "run":
+        if args.model is not None:
+            raise UserError(f"serve {args.action} {args.model}: one of {', '.join(ACTIONS)} first, or a MODEL alone")
+        if args.action not in ACTIONS:
+            args.model = args.action  # `serve MODEL`
+    if args.model is None:  # promote | rollback | split
         if not args.url:
-            raise UserError(f"serve {args.model} needs --url of the running server, e.g. --url http://127.0.0.1:8000")
-        state = traffic(args.url, args.model, args.canary_fraction, ca_bundle=args.ca_bundle)
+            raise UserError(f"serve {args.action} needs --url of the running server, e.g. --url http://127.0.0.1:8000")
+        state = traffic(args.url, args.action, args.canary_fraction, ca_bundle=args.ca_bundle)
         print(f"stable {state['stable']}" + (f", canary {state['canary']} at {state['canary_fraction']:.0%}"
                                              if state["canary"] else ", no canary"))
         return 0
