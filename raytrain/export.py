@@ -184,10 +184,28 @@ def reported_val(run_uri: str, step: int) -> Optional[dict]:
     return found
 
 
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def export_dtype(ck: LoadedCheckpoint, asked: Optional[str]) -> str:
+    """The weights' precision in an export: as asked, else the one the run trained in (recorded in its checkpoints;
+    before that was recorded: precision.dtype, and `auto` on a GPU run taken as bf16, on CPU fp32)."""
+    if asked is not None:
+        if asked not in DTYPES:
+            raise UserError(f"--dtype {asked!r}: use one of {', '.join(DTYPES)}")
+        return asked
+    state = json.loads(storage.read_text(storage.join(ck.uri, "raytrain_state.json")))
+    if state.get("dtype"):
+        return state["dtype"]
+    d = ck.cfg.precision.dtype
+    return d if d != "auto" else ("bf16" if ck.cfg.scaling.use_gpu else "fp32")
+
+
 def export(ckpt_uri: str, out_uri: str, tokenizer: Optional[str] = None, force: bool = False,
-           log: Callable[[str], None] = print, adapter: bool = False) -> dict:
-    """Write a Hugging Face model directory for a checkpoint; checks the parameter count on reload. A LoRA
-    checkpoint's adapter is merged in; adapter=True writes the PEFT adapter directory instead (raytrain/lora.py)."""
+           log: Callable[[str], None] = print, adapter: bool = False, dtype: Optional[str] = None) -> dict:
+    """Write a Hugging Face model directory for a checkpoint, its weights in `dtype` (default: the precision the run
+    trained in: export_dtype); checks the parameter count on reload. A LoRA checkpoint's adapter is merged in;
+    adapter=True writes the PEFT adapter directory instead (raytrain/lora.py)."""
     from transformers import AutoModelForCausalLM
 
     from raytrain.model import param_count
@@ -196,6 +214,8 @@ def export(ckpt_uri: str, out_uri: str, tokenizer: Optional[str] = None, force: 
     if any(storage.exists(storage.join(out_uri, f)) for f in ("config.json", "adapter_config.json")) and not force:
         raise UserError(f"{out_uri} already holds a model; pass --force to overwrite it")
     if adapter:
+        if dtype is not None:
+            raise UserError("--dtype applies to a merged export; an adapter is written in the precision it trained in")
         return export_adapter(ckpt_uri, out_uri, tokenizer=tokenizer, log=log)
     ck = load_checkpoint(ckpt_uri, tokenizer)
     if ck.tokenizer_uri is None:
@@ -206,8 +226,10 @@ def export(ckpt_uri: str, out_uri: str, tokenizer: Optional[str] = None, force: 
     if trained is not None and trained != n_params:
         raise UserError(f"parameter count {n_params:,} differs from the {trained:,} the run trained "
                         f"({RunDir(run_uri).uri(SUMMARY)})")
+    precision = export_dtype(ck, dtype)
+    ck.model.to(getattr(torch, DTYPES[precision]))
     with tempfile.TemporaryDirectory(prefix="raytrain-export-") as d:
-        write_model_dir(ck, ck.model, d, params=n_params)
+        write_model_dir(ck, ck.model, d, params=n_params, dtype=precision)
         lin = lineage.build(ck.uri, tokenizer)  # lineage.json: where the model came from (raytrain/lineage.py)
         lineage.write(d, lin)  # last: it lists every file's sha256
         # The release gate in miniature: what we wrote must load with stock transformers and be the same size.
@@ -219,8 +241,9 @@ def export(ckpt_uri: str, out_uri: str, tokenizer: Optional[str] = None, force: 
     run_event(run_uri, "export", checkpoint=ck.uri, step=ck.step, out=out_uri, params=n_params, lineage=lin["id"],
               adapter=False)
     log(f"[raytrain] exported {ck.uri} (step {ck.step}, ZeRO-{ck.cfg.deepspeed.zero_stage}) -> {out_uri}: "
-        f"{n_params:,} parameters (checked on reload), lineage {lin['id']}, files: {', '.join(files)}")
-    return {"out": out_uri, "step": ck.step, "params": n_params, "files": files, "lineage": lin["id"]}
+        f"{n_params:,} parameters in {precision} (checked on reload), lineage {lin['id']}, files: {', '.join(files)}")
+    return {"out": out_uri, "step": ck.step, "params": n_params, "files": files, "lineage": lin["id"],
+            "dtype": precision}
 
 
 def export_adapter(ckpt_uri: str, out_uri: str, *, tokenizer: Optional[str], log) -> dict:

@@ -96,9 +96,9 @@ def ledger(run_uri: str, *, reader=None) -> Optional[dict[str, Any]]:
 
 
 def _first_end(a: dict, nxt: Optional[dict], steps: list[dict]) -> float:
-    """When an attempt's first step was done: its recorded time (after the records start-up deferred were opened),
-    or, where that step was logged, its log record's (the attempt's own record written first)."""
-    t = float(a.get("first_step_time", a["time"]))
+    """When an attempt's first step phase ended: once the records start-up deferred past that step were opened, or,
+    where the step was logged, at its log record (the attempt's own record written first)."""
+    t = float(a.get("records_opened_time") or a.get("first_step_time", a["time"]))
     first = int(a.get("resumed_step") or 0) + 1
     logged = [r["time"] for r in steps if "loss" in r and int(r["step"]) == first and r["time"] >= t - 1e-3
               and (nxt is None or r["time"] < nxt["time"])]

@@ -54,9 +54,16 @@ class Harness:
     `trainer` resource (one training worker per node) and a `chaos_node_K` resource naming it.
     """
 
-    def __init__(self, drain_deadline_s: float):
+    def __init__(self, drain_deadline_s: float, *, notices: bool = False):
         self.deadline_s = drain_deadline_s
         self.nodes: dict[int, subprocess.Popen] = {}
+        # --notices: each worker node's reclaim notice comes from a fake AWS metadata endpoint of its own, read by that
+        # node's notice watcher (raytrain/notice_watcher.py), which drains it as on a cloud VM.
+        self.notices = notices
+        self.metadata: dict[int, object] = {}
+        self.watchers: dict[int, subprocess.Popen] = {}
+        self.watcher_logs: dict[int, str] = {}
+        self.log_dir = tempfile.mkdtemp(prefix="raytrain-chaos-watchers-")
         self.data_nodes: list[subprocess.Popen] = []
         self.log: list[dict] = []
         self.done: set[str] = set()
@@ -91,7 +98,24 @@ class Harness:
                                      f"--resources={json.dumps({'trainer': 1, f'chaos_node_{k}': 1})}"])
         _wait(lambda: any(n["Alive"] and f"chaos_node_{k}" in n["Resources"] for n in ray.nodes()), 180,
               f"worker node {k} did not join")
+        if self.notices:
+            self._watch_notices(k)
         return k
+
+    def _watch_notices(self, k: int) -> None:
+        """Node k's metadata endpoint (a spot instance, no notice yet) and its notice watcher, polling every second."""
+        import ray
+        from fake_metadata import FakeMetadata
+
+        node_id = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and f"chaos_node_{k}" in n["Resources"])
+        self.metadata[k] = md = FakeMetadata("aws")
+        log = os.path.join(self.log_dir, f"notice-watcher-{k}.log")
+        with open(log, "w") as out:
+            self.watchers[k] = subprocess.Popen(
+                [sys.executable, "-m", "raytrain.notice_watcher", "--address", self.address, "--node-id", node_id,
+                 "--interval", "1"], env={**os.environ, "RAYTRAIN_METADATA_URL": md.url},
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        self.watcher_logs[k] = log
 
     def add_data_node(self) -> None:
         """A CPU-only data node (the `data` resource: data.reader=ray's read tasks run there and only there)."""
@@ -113,10 +137,17 @@ class Harness:
         raise KeyError(node_id)
 
     def drain_node(self, k: int, deadline_s: float, node_id: str | None = None) -> None:
-        """A spot interruption notice: Ray drains node k for preemption with a deadline; the node goes then."""
+        """A spot interruption notice: Ray drains node k for preemption with a deadline (the node's watcher, on the
+        notice its metadata endpoint announces, with --notices; else this harness); the node goes then."""
         import ray
         from ray.core.generated import autoscaler_pb2
 
+        if self.notices:
+            from raytrain.ckpt.layout import timestamp  # (AWS's instance-action time: ISO 8601, UTC)
+
+            self.metadata[k].set(action={"action": "terminate", "time": timestamp(time.time() + deadline_s)})
+            threading.Timer(deadline_s + 1, self.kill_node, args=(k,)).start()
+            return
         if node_id is None:
             node_id = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and f"chaos_node_{k}" in n["Resources"])
         gcs = ray._raylet.GcsClient(address=self.address)
@@ -126,8 +157,11 @@ class Harness:
         threading.Timer(deadline_s + 1, self.kill_node, args=(k,)).start()
 
     def kill_node(self, k: int) -> None:
-        """The node disappears at once: raylet and every process on it."""
+        """The node disappears at once: raylet and every process on it (its notice watcher too)."""
         self._kill(self.nodes[k])
+        if k in self.watchers:
+            self._kill(self.watchers.pop(k))
+            self.metadata.pop(k).close()
 
     @staticmethod
     def _kill(node: subprocess.Popen) -> None:
@@ -254,6 +288,8 @@ def main(argv=None) -> int:
     ap.add_argument("--remove-data-node-at", type=int, default=0,
                     help="add a CPU-only data node (data.reader=ray reads there) and remove it at this step")
     ap.add_argument("--drain-deadline", type=float, default=20.0, help="seconds from the drain to the node's end")
+    ap.add_argument("--notices", action="store_true",
+                    help="drains come from each node's notice watcher, reading a fake AWS metadata endpoint")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--baseline", action="store_true", help="also run without faults and compare")
     ap.add_argument("--name", default="chaos")
@@ -261,7 +297,7 @@ def main(argv=None) -> int:
     ap.add_argument("override", nargs="*", help="extra dotted config overrides")
     args = ap.parse_args(argv)
 
-    # Before Ray is imported, which reads them. Ray's token authentication (pitfalls #2): the nodes
+    # Before Ray is imported, which reads them. Ray's token authentication: the nodes
     # and this driver must agree on the mode.
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
     # Drains polled every second (Ray Train's default: 5 s), so a drill's drain costs seconds less; Ray passes it on
@@ -274,7 +310,7 @@ def main(argv=None) -> int:
 
     from raytrain.trainer import train
 
-    harness = Harness(args.drain_deadline)
+    harness = Harness(args.drain_deadline, notices=args.notices)
     marker = os.path.join(tempfile.mkdtemp(prefix="raytrain-chaos-"), "event")
     rng = random.Random(args.seed)
     busy = {*args.remove_node_at, *args.drain_at, *args.reclaim_at, args.remove_data_node_at, *args.lose_node_at,
@@ -317,6 +353,7 @@ def main(argv=None) -> int:
         result["run_uri"] = cfg.run_uri
         result["recovery"] = _recovery(cfg.run_uri, events, marker)
         result["harness"] = harness.log
+        result["notice_watchers"] = {k: open(p).read() for k, p in harness.watcher_logs.items()}
     finally:
         ray.shutdown()
         harness.down()

@@ -2,7 +2,7 @@
 
 Everything runs on 127.0.0.1 and is started and stopped here. The Ray cluster is shared by the whole
 session (starting one costs seconds on 2 cores); it is sized above the worker count so that Ray Data
-always has CPUs (pitfalls #1).
+always has CPUs (a Train job holding every CPU starves its own data pipeline).
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from raytrain.data.prepare import PrepareConfig, prepare
-from tests.helpers import S3_RECORD, start_mlflow_server_install, start_moto, synthetic_docs, write_lm_eval_tasks
+from tests.helpers import (REFERENCE, S3_RECORD, start_mlflow_server_install, start_moto, synthetic_docs,
+                           write_lm_eval_tasks)
 
 
 def pytest_collection_finish(session):
@@ -80,6 +81,17 @@ def ray_cluster(s3_server):
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def reference_run(ray_cluster, tiny_data, tmp_path_factory) -> dict:
+    """The uninterrupted 2-worker run (12 steps, a checkpoint every 4) that the resume tests, the ray reader's and the
+    TLS cluster's compare with, trained once per session; its summary (`run_uri` names it). Read it, never write."""
+    from raytrain.trainer import train
+    from tests.helpers import tiny_cfg
+
+    cfg = tiny_cfg(tiny_data, tmp_path_factory.mktemp("reference"), "reference", *REFERENCE)
+    return train(cfg, log=lambda *_: None)
 
 
 @pytest.fixture(scope="session")

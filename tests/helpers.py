@@ -45,6 +45,10 @@ def tiny_overrides(data: Path | str, storage: Path | str, name: str, *overrides:
     ]
 
 
+# The session's reference run (conftest.reference_run): what a run compared with it must share besides the data.
+REFERENCE = ("run.max_steps=12", "checkpoint.every_n_steps=4")
+
+
 def tiny_cfg(data: Path | str, storage: Path | str, name: str, *overrides: str):
     """The smallest useful run: 2 workers, ZeRO-2, a 1-layer GPT on 32-token sequences."""
     return load_config("tiny", tiny_overrides(data, storage, name, *overrides))

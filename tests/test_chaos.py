@@ -29,19 +29,24 @@ def _drill(tmp_path, *args) -> dict:
 
 
 def test_kills_a_lost_node_and_a_drain_train_on_the_same_samples_with_the_same_losses(s3_server, tiny_data, tmp_path):
-    """A SIGKILL, a node lost without notice, a preemption drain and the loss of the CPU-only data node that
-    data.reader=ray reads on, in one run (one cluster, one baseline): the same batches (plan ids and content
-    checksums) and losses as the run without faults; the data node's loss costs no restart.
-    run.max_failures=1 is exactly the kill: the run finishes only if the node lost without notice and the drain are
-    charged to the preemption budget (run.max_preemptions=2). (One kill, not two: a restart costs ~30 s of the suite here, and repeated kills
-    in one run are the recovery bench's, section 4b.)"""
+    """A SIGKILL, a node lost without notice, a reclaim notice (a fake AWS metadata endpoint per node, read by the
+    node's notice watcher, which drains it) and the loss of the CPU-only data node that data.reader=ray reads on, in
+    one run (one cluster, one baseline): the same batches (plan ids and content checksums) and losses as the run
+    without faults; the data node's loss costs no restart. run.max_failures=1 is exactly the kill: the run finishes
+    only if the node lost without notice and the drain are charged to the preemption budget (run.max_preemptions=2).
+    (One kill, not two: a restart costs ~30 s of the suite here, and repeated kills in one run are the recovery
+    bench's, section 4b.)"""
     res = _drill(tmp_path, "--data", str(tiny_data), "--storage", "s3://raytrain-test/chaos", "--steps", "18",
                  "--every", "4", "--kills", "1", "--remove-node-at", "9", "--drain-at", "14", "--drain-deadline", "12",
-                 "--remove-data-node-at", "6", "--seed", "3", "--baseline", *TINY, "data.reader=ray",
+                 "--notices", "--remove-data-node-at", "6", "--seed", "3", "--baseline", *TINY, "data.reader=ray",
                  "run.max_failures=1", "run.max_preemptions=2")
     kinds = [e["signal"] for e in res["events"]]
     assert kinds.count("SIGKILL") == 1 and kinds.count("REMOVE_NODE") == 1 and kinds.count("DRAIN_NODE") == 1
     assert kinds.count("REMOVE_DATA_NODE") == 1 and [e["action"] for e in res["harness"]].count("REMOVE_DATA_NODE") == 1
+    # The drain came as on a cloud VM: the node's metadata endpoint announced the reclaim and the node's notice watcher
+    # drained it (no one else drains with --notices).
+    drained = [log for log in res["notice_watchers"].values() if "draining this node" in log]
+    assert len(drained) == 1 and "AWS spot instance-action terminate" in drained[0], res["notice_watchers"]
     assert res["summary"]["steps"] == 18 and res["summary"]["restarts"] == 3
     assert len(res["recovery"]) == 3 and all(r["resumed_from"] is not None for r in res["recovery"])
     assert sorted(map(int, res["chaos"])) == list(range(1, 19))

@@ -312,6 +312,11 @@ def test_a_worker_without_its_runs_statement_commits_no_checkpoint(iam_s3, tmp_p
                                f"checkpoint.local_dir={tmp_path}"]).checkpoint
     run = f"s3://{BUCKET}/runs/denied"
     with iam_s3.acting_as("worker-no-run-writes"):
+        # What rank 0 of a run with nothing committed tries before its first step (worker/loop.py): the same refusal,
+        # before any training rather than at the first checkpoint.
+        with pytest.raises(Exception) as e:
+            storage.check_writable(run)
+        assert str(e.value).count("\n") == 0 and "ReadWriteRunsCheckpointsAndRetention" in str(e.value), e.value
         writer = CheckpointWriter(cfg, run_uri=run, rank=0, world=1)
         with pytest.raises(Exception) as e:
             writer.save(_Engine(), TrainState(step=2, global_batch=8), "run: {}\n")

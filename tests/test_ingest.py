@@ -40,13 +40,11 @@ def both(corpus_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def direct(ray_cluster, both, tmp_path_factory):
-    """The direct reader's uninterrupted 12 steps on 2 workers, Parquet: the batches the ray reader must give."""
-    from raytrain.trainer import train
-
-    cfg = tiny_cfg(both, tmp_path_factory.mktemp("runs"), "direct", "run.max_steps=12", "checkpoint.every_n_steps=4")
-    train(cfg, log=lambda *_: None)
-    return _steps(cfg.run_uri)
+def direct(reference_run):
+    """The direct reader's uninterrupted 12 steps on 2 workers, Parquet: the batches the ray reader must give. The
+    session's reference run: its dataset is prepared from the same corpus with the same settings as `both`, whose
+    Parquet rows are the same."""
+    return _steps(reference_run["run_uri"])
 
 
 def _same_batches(got: dict, want: dict, from_step: int = 1) -> None:

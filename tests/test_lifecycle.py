@@ -5,6 +5,7 @@ One tiny run per ZeRO stage is trained once for the module and reused by every t
 """
 
 import json
+import os
 import shutil
 
 import numpy as np
@@ -150,6 +151,37 @@ def test_release_check_passes_and_fails_on_param_mismatch(exported, runs, tiny_d
     rep = json.loads(capsys.readouterr().out)
     assert not rep["ok"] and [c["name"] for c in rep["checks"] if not c["ok"]] == ["params"]
     assert rep["p99_ms"] >= rep["p50_ms"] > 0
+
+
+@slow
+def test_a_bf16_export_is_half_the_bytes_passes_the_check_and_scores_as_the_fp32_one(exported, runs, tiny_data,
+                                                                                      tmp_path, capsys):
+    """The run trained in fp32 (CPU), so its export is fp32 by default; `--dtype bf16` halves the weights' bytes, the
+    release check passes on it, and its log-probabilities match the fp32 export's within bf16's precision (8 bits of
+    mantissa: 0.05 nats on these tokens)."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from raytrain.data.manifest import load_split
+    from raytrain.evaluation import eval_rows
+
+    cfg, summary = runs[2]
+    bf16 = str(tmp_path / "bf16")
+    assert main(["export", "--checkpoint", summary["checkpoint"], "--out", bf16, "--dtype", "bf16"]) == 0
+    fp32 = exported[2]
+    assert json.load(open(f"{fp32}/raytrain_export.json"))["dtype"] == "fp32"
+    assert json.load(open(f"{bf16}/raytrain_export.json"))["dtype"] == "bf16"
+    with safe_open(f"{bf16}/model.safetensors", "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+    ratio = (tmp_path / "bf16" / "model.safetensors").stat().st_size / os.path.getsize(f"{fp32}/model.safetensors")
+    assert 0.45 <= ratio <= 0.55, ratio
+    assert main(["check", bf16, "-n", "3"]) == 0 and "release check passed" in capsys.readouterr().out
+    rows = eval_rows(load_split(f"{tiny_data}/val"), 16, 4, 2)
+    x = torch.from_numpy(np.array(rows[:, :-1], dtype=np.int64))
+    with torch.no_grad():
+        lp = [torch.log_softmax(AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)(input_ids=x).logits, -1)
+              for d in (fp32, bf16)]
+    assert (lp[0] - lp[1]).abs().max().item() < 0.05
 
 
 @slow

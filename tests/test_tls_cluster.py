@@ -24,8 +24,7 @@ from pathlib import Path
 import pytest
 
 from raytrain import storage, tls
-from raytrain.trainer import train
-from tests.helpers import free_port, tiny_cfg, tiny_overrides
+from tests.helpers import REFERENCE, free_port, tiny_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -101,33 +100,26 @@ def _losses(run_uri: str) -> dict[int, float]:
 
 
 @pytest.mark.slow
-def test_two_worker_run_on_the_tls_cluster_trains_to_the_losses_without_tls(tls_cluster, ray_cluster, tiny_data,
+def test_two_worker_run_on_the_tls_cluster_trains_to_the_losses_without_tls(tls_cluster, reference_run, tiny_data,
                                                                             tmp_path):
     """`ray job submit` (the jobs API: HTTP with the token) of a 2-worker run, one worker per node, so the in-memory
     snapshot copies to the peer rank, Ray's object transfers and every control message go between nodes over TLS
-    (the gradients' all-reduce is gloo's own TCP, not Ray's: docs/CLUSTERS.md); the same run in this process's Ray
-    (no TLS) is the reference. Submitted first, so the two runs overlap."""
+    (the gradients' all-reduce is gloo's own TCP, not Ray's: docs/CLUSTERS.md); the session's reference run, trained
+    in this process's Ray (no TLS), has its losses."""
     c = tls_cluster
     t0 = time.monotonic()
     log = tmp_path / "job.log"
     with open(log, "w") as out:
-        job = subprocess.Popen([str(BIN / "ray"), "job", "submit", f"--address=http://127.0.0.1:{c['dash']}", "--",
-                                "raytrain", "train", "--config", "tiny",
-                                *tiny_overrides(tiny_data, tmp_path / "tls", "tls",
-                                                "scaling.resources_per_worker={tlsw: 1}")],
-                               env=c["env"], stdout=out, stderr=subprocess.STDOUT)
-    try:
-        plain = tiny_cfg(tiny_data, tmp_path / "plain", "plain")
-        train(plain, log=lambda *_: None)
-        want = _losses(plain.run_uri)
-        job.wait(timeout=600)
-    finally:
-        if job.poll() is None:
-            job.kill()
+        job = subprocess.run([str(BIN / "ray"), "job", "submit", f"--address=http://127.0.0.1:{c['dash']}", "--",
+                              "raytrain", "train", "--config", "tiny",
+                              *tiny_overrides(tiny_data, tmp_path / "tls", "tls", *REFERENCE,
+                                              "scaling.resources_per_worker={tlsw: 1}")],
+                             env=c["env"], stdout=out, stderr=subprocess.STDOUT, timeout=600)
     assert job.returncode == 0, log.read_text()[-3000:]
     got = _losses(storage.join(str(tmp_path / "tls"), "tls"))
-    print(f"[test] TLS run and the reference run: {time.monotonic() - t0:.0f}s")
-    assert sorted(got) == sorted(want) == list(range(1, 11)), (got, want)
+    want = _losses(reference_run["run_uri"])
+    print(f"[test] TLS run: {time.monotonic() - t0:.0f}s")
+    assert sorted(got) == sorted(want) == list(range(1, 13)), (got, want)
     for step in want:
         assert got[step] == pytest.approx(want[step], abs=1e-5), step
     # One training worker per node: their traffic crossed between the two nodes.

@@ -47,12 +47,9 @@ def _assert_losses_of_all_12_steps_equal(run_uri: str, want: dict[int, float]) -
 
 
 @pytest.fixture(scope="module")
-def baseline(ray_cluster, tiny_data, tmp_path_factory):
-    """An uninterrupted 12-step run, checkpointing every 4 steps."""
-    runs = tmp_path_factory.mktemp("runs")
-    cfg = tiny_cfg(tiny_data, runs, "baseline", "run.max_steps=12", "checkpoint.every_n_steps=4")
-    summary = train(cfg, log=lambda *_: None)
-    return summary, _losses(cfg.run_uri)
+def baseline(reference_run):
+    """The session's uninterrupted 12-step run, checkpointing every 4 steps (conftest.reference_run)."""
+    return reference_run, _losses(reference_run["run_uri"])
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ class TrainState:
     global_batch: int = 0  # sequences per step when saved; a resized resume keeps it
     preemptions: int = 0  # preemptions survived
     lora_base: Optional[dict] = None  # LoRA runs: the frozen base's identity and sha256 (raytrain/lora.py)
+    dtype: Optional[str] = None  # the precision the run trains in (precision.dtype resolved): an export's default
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainState":

@@ -32,7 +32,7 @@ from raytrain.ckpt.restore import (agree_apply, find_memory_point, find_resume_p
 from raytrain.worker.rollback import roll_back
 from raytrain.ckpt.state import TrainState
 from raytrain.ckpt.writer import CheckpointWriter
-from raytrain import lora
+from raytrain import lora, storage
 from raytrain.faults import Faults
 from raytrain.model import build_model, flops_per_token, moe_aux_loss, param_counts
 from raytrain.quiet import no_stdout, quiet_worker
@@ -265,14 +265,16 @@ class WorkerRun:
 
     def _first_step_done(self) -> None:
         """After the attempt's first step: the records start-up deferred are opened, then the attempt is recorded
-        with its first step's time (the goodput ledger counts the deferred work in the first step's phase). Unless
+        with its first step's end and the records' (the goodput ledger counts the deferred work in the first step's
+        phase). Unless
         the step is logged, the log window restarts here: a first step's warm-up is not the run's throughput, and
         every later window's step time then covers exactly its own steps."""
+        done = time.time()  # the first step's end: no storage request before it
         host_heap.steady(zero_stage=self.cfg.deepspeed.zero_stage, dp_size=self.dp_size)
         self._open_records()
         if not self._due(self.state.step)[0]:
             self.window.reset()
-        self.attempt.stepped()
+        self.attempt.stepped(done)
 
     def _open_records(self) -> None:
         """After the attempt's first step: what start-up would otherwise read and write in storage between a fault
@@ -429,9 +431,14 @@ class WorkerRun:
             state = restore(self.engine, resumed, rank=self.rank, world=self.world)
             state.restarts += 1
             state.global_batch = self.cfg.global_batch
+        elif self.rank == 0:
+            # Nothing committed yet: whether the workers' credentials may write the run, before the first step rather
+            # than at the first checkpoint (the driver probed with its own; a worker role is often narrower).
+            storage.check_writable(self.cfg.run_uri)
         # A restart from scratch (an attempt that died before its first checkpoint committed) is a restart
         # too, though no checkpoint carries its count.
         state.restarts = max(state.restarts, earlier_attempts)
+        state.dtype = self.dtype
         self.memory.interval.begin(state.step, restarts=state.restarts)  # `auto`: measured, then agreed
         return state
 
