@@ -412,3 +412,21 @@ def test_the_bucket_policy_binds_every_principal_to_tls_the_encryption_and_audit
     assert audit["Resource"] == f"arn:aws:s3:::{BUCKET}/audit/*"
     assert audit["Condition"] == {"Null": {"s3:if-none-match": "true"}}
     assert "raytrain-bucket-policy.json" in (IAM / "README.md").read_text()
+
+
+def test_the_gpu_recipes_example_paths_are_ones_the_shipped_worker_policy_allows():
+    """The GPU recipe's prepare example and data / run paths: the worker role may read the inputs (prepare's ray
+    engine reads them on workers) and the prepared data, and write the run."""
+    from raytrain.config import RECIPES_DIR
+
+    text = (RECIPES_DIR / "gpt2-124m.yaml").read_text()
+    bucket = "CHANGE-ME"
+    paths = re.findall(r"s3://CHANGE-ME/([\w/*.-]+)", text)
+    assert any(p.startswith("data/raw/") for p in paths) and any(p == "runs" for p in paths), paths
+    worker = "raytrain-worker-s3-policy.json"
+    for p in paths:
+        key = p.replace("*", "part-0") + ("/x" if p == "runs" else "")
+        actions = ("s3:GetObject", "s3:PutObject") if p.startswith(("runs", "data/corpus")) else ("s3:GetObject",)
+        for action in actions:
+            found = storage.shipped_statements(action, f"arn:aws:s3:::{bucket}/{key}", bucket)
+            assert any(f.startswith(worker) for f in found), (p, action, found)
