@@ -138,6 +138,15 @@ def model_config_for(spec: str, seq_len: Optional[int] = None) -> ModelConfig:
     return m.model_copy(update={"seq_len": seq_len}) if seq_len else m
 
 
+def shape_keys(spec: str, cfg: ModelConfig) -> dict:
+    """The model keys that make a planned size: a size's own entry of SIZES, or a recipe's shape keys that are set."""
+    moe = ("moe_experts", "moe_top_k") if cfg.family == "mixtral" else ()
+    keys = SIZES.get(spec.lower()) or ("family", "n_layer", "hidden_size", "n_head", "n_kv_head", "intermediate_size",
+                                       *moe, "seq_len")
+    got = cfg.model_dump()
+    return {k: got[k] for k in keys if got.get(k) is not None}
+
+
 def shape_of(cfg: ModelConfig, vocab: Optional[int] = None) -> Shape:
     """Builds the real transformers model on the meta device (no memory) and reads its sizes."""
     import torch
@@ -290,6 +299,7 @@ class Plan:
     checkpoint_gib: float = 0.0
     instances: list[dict] = field(default_factory=list)  # the instance types in cluster/*.yaml: do they fit?
     assumptions: dict = field(default_factory=dict)
+    shape: dict = field(default_factory=dict)  # the model section's keys that make this size (model.<key> overrides)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -362,7 +372,7 @@ def make_plan(model: str, gpu: str, gpus: int, seq_len: Optional[int] = None, to
     plan = Plan(model=model, family=shape.family, params=shape.params, active_params=shape.active_params,
                 seq_len=shape.seq_len, gpu=key, gpu_memory_gib=g.memory_gib, gpus=gpus,
                 gpus_per_node=gpus_per_node, usable_gib=usable / GIB, options=opts,
-                checkpoint_gib=checkpoint_bytes(shape) / GIB)
+                checkpoint_gib=checkpoint_bytes(shape) / GIB, shape=shape_keys(model, mcfg))
     for o in opts:
         o.restore_s = o.restore_gib_per_node * GIB * 8 / (node_gbps * 1e9)
     plan.instances = instance_fits(shape, gpus, headroom, max_micro_batch, micro_batch, cluster_dir)

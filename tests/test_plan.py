@@ -100,6 +100,21 @@ def test_cli_plan_table_and_json(capsys):
     assert "nothing fits" in (text := capsys.readouterr().out) and "--host-memory-gib" in text
     assert main(["plan", "--model", "11b", "--gpu", "h100", "--gpus", "1"]) == 2
     assert "not a known size" in capsys.readouterr().err
+
+
+def test_the_plan_prints_the_shape_as_overrides_that_build_its_parameter_count(capsys):
+    """`plan --model 1b` says the shape (layers, width, heads, MLP) as model.* overrides; those overrides on any recipe
+    build a model (on the meta device) of the planned parameter count."""
+    from raytrain.capacity import DEFAULT_VOCAB, shape_of
+    from raytrain.config import load_config
+
+    assert main(["plan", "--model", "1b", "--gpu", "a10g", "--gpus", "8", "--gpus-per-node", "1"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("  shape: "))
+    overrides = line.removeprefix("  shape: ").split()
+    assert "model.n_layer=16" in overrides and "model.intermediate_size=8192" in overrides, overrides
+    plan = make_plan("1b", "a10g", 8, gpus_per_node=1)
+    built = load_config("tiny", ["data.train=/nowhere", *overrides]).model
+    assert shape_of(built, DEFAULT_VOCAB["llama"]).params == plan.params
     with pytest.raises(UserError, match="--gpu 'tpu'"):
         make_plan("1b", "tpu", 1)
 

@@ -61,6 +61,8 @@ def format_plan(p: Plan) -> str:
     """The plan as a table of strategies, the recommended setup and its time and cost."""
     moe = f" ({human(p.active_params)} active per token)" if p.active_params != p.params else ""
     lines = [f"model {p.model}: {p.family}, {human(p.params)} parameters{moe}, seq_len {p.seq_len}",
+             "  shape: " + " ".join(f"model.{k}={str(v).lower() if isinstance(v, bool) else v}"
+                                    for k, v in p.shape.items()),
              f"hardware: {p.gpus} x {p.gpu} ({p.gpu_memory_gib:g} GiB, {p.usable_gib:.1f} GiB usable at "
              f"{p.assumptions['memory_headroom']:.0%}), {p.gpus_per_node} GPUs per node", "",
              f"{'strategy':28} {'states GiB':>10} {'act GiB/seq':>11} {'host GiB/node':>13} {'max mb':>6} "
