@@ -38,6 +38,7 @@ class LoadedCheckpoint:
     uri: str
     eot_id: int
     tokenizer_uri: Optional[str]
+    dtype: Optional[str] = None  # the precision the run trained in, where its checkpoint records it
 
 
 def checkpoint_config(ckpt_uri: str) -> Config:
@@ -116,7 +117,8 @@ def load_checkpoint(ckpt_uri: str, tokenizer: Optional[str] = None, merge: bool 
 
         model = lora.from_checkpoint(cfg, sd, vocab=vocab, eot_id=eot_id, saved=state.get("lora_base"),
                                      where=ckpt_uri, merge=merge)
-        return LoadedCheckpoint(model, cfg, step=step, uri=ckpt_uri, eot_id=eot_id, tokenizer_uri=tok_uri)
+        return LoadedCheckpoint(model, cfg, step=step, uri=ckpt_uri, eot_id=eot_id, tokenizer_uri=tok_uri,
+                                dtype=state.get("dtype"))
     model_cfg = cfg.model.model_copy(update={"init_from": None})
     model = AutoModelForCausalLM.from_config(hf_config(model_cfg, emb[0].shape[0], eot_id),
                                              attn_implementation=cfg.model.attn_implementation)
@@ -127,7 +129,8 @@ def load_checkpoint(ckpt_uri: str, tokenizer: Optional[str] = None, merge: bool 
                         f"unexpected {sorted(unexpected)[:3]})")
     model.tie_weights()
     model.eval()
-    return LoadedCheckpoint(model, cfg, step=step, uri=ckpt_uri, eot_id=eot_id, tokenizer_uri=tok_uri)
+    return LoadedCheckpoint(model, cfg, step=step, uri=ckpt_uri, eot_id=eot_id, tokenizer_uri=tok_uri,
+                            dtype=state.get("dtype"))
 
 
 def _eot_of(tokenizer_uri: str) -> Optional[int]:
@@ -194,9 +197,8 @@ def export_dtype(ck: LoadedCheckpoint, asked: Optional[str]) -> str:
         if asked not in DTYPES:
             raise UserError(f"--dtype {asked!r}: use one of {', '.join(DTYPES)}")
         return asked
-    state = json.loads(storage.read_text(storage.join(ck.uri, "raytrain_state.json")))
-    if state.get("dtype"):
-        return state["dtype"]
+    if ck.dtype:
+        return ck.dtype
     d = ck.cfg.precision.dtype
     return d if d != "auto" else ("bf16" if ck.cfg.scaling.use_gpu else "fp32")
 

@@ -104,10 +104,9 @@ class Harness:
 
     def _watch_notices(self, k: int) -> None:
         """Node k's metadata endpoint (a spot instance, no notice yet) and its notice watcher, polling every second."""
-        import ray
         from fake_metadata import FakeMetadata
 
-        node_id = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and f"chaos_node_{k}" in n["Resources"])
+        node_id = self._node_id(k)
         self.metadata[k] = md = FakeMetadata("aws")
         log = os.path.join(self.log_dir, f"notice-watcher-{k}.log")
         with open(log, "w") as out:
@@ -139,22 +138,26 @@ class Harness:
     def drain_node(self, k: int, deadline_s: float, node_id: str | None = None) -> None:
         """A spot interruption notice: Ray drains node k for preemption with a deadline (the node's watcher, on the
         notice its metadata endpoint announces, with --notices; else this harness); the node goes then."""
-        import ray
-        from ray.core.generated import autoscaler_pb2
-
         if self.notices:
             from raytrain.ckpt.layout import timestamp  # (AWS's instance-action time: ISO 8601, UTC)
 
             self.metadata[k].set(action={"action": "terminate", "time": timestamp(time.time() + deadline_s)})
-            threading.Timer(deadline_s + 1, self.kill_node, args=(k,)).start()
-            return
-        if node_id is None:
-            node_id = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and f"chaos_node_{k}" in n["Resources"])
-        gcs = ray._raylet.GcsClient(address=self.address)
-        deadline_ms = int((time.time() + deadline_s) * 1000)
-        gcs.drain_node(node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
-                       "chaos drill: spot interruption notice", deadline_ms)
+        else:
+            import ray
+            from ray.core.generated import autoscaler_pb2
+
+            gcs = ray._raylet.GcsClient(address=self.address)
+            gcs.drain_node(node_id or self._node_id(k),
+                           autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+                           "chaos drill: spot interruption notice", int((time.time() + deadline_s) * 1000))
         threading.Timer(deadline_s + 1, self.kill_node, args=(k,)).start()
+
+    @staticmethod
+    def _node_id(k: int) -> str:
+        """The Ray node id of worker node k (alive)."""
+        import ray
+
+        return next(n["NodeID"] for n in ray.nodes() if n["Alive"] and f"chaos_node_{k}" in n["Resources"])
 
     def kill_node(self, k: int) -> None:
         """The node disappears at once: raylet and every process on it (its notice watcher too)."""

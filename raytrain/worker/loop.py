@@ -266,9 +266,8 @@ class WorkerRun:
     def _first_step_done(self) -> None:
         """After the attempt's first step: the records start-up deferred are opened, then the attempt is recorded
         with its first step's end and the records' (the goodput ledger counts the deferred work in the first step's
-        phase). Unless
-        the step is logged, the log window restarts here: a first step's warm-up is not the run's throughput, and
-        every later window's step time then covers exactly its own steps."""
+        phase). Unless the step is logged, the log window restarts here: a first step's warm-up is not the run's
+        throughput, and every later window's step time then covers exactly its own steps."""
         done = time.time()  # the first step's end: no storage request before it
         host_heap.steady(zero_stage=self.cfg.deepspeed.zero_stage, dp_size=self.dp_size)
         self._open_records()
