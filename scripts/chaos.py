@@ -295,6 +295,9 @@ def main(argv=None) -> int:
                     help="drains come from each node's notice watcher, reading a fake AWS metadata endpoint")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--baseline", action="store_true", help="also run without faults and compare")
+    ap.add_argument("--baseline-run", default=None,
+                    help="compare with this finished run of the same model, data, batch and steps instead of "
+                         "training the baseline here (the test suite's session reference run)")
     ap.add_argument("--name", default="chaos")
     ap.add_argument("--out", default=None)
     ap.add_argument("override", nargs="*", help="extra dotted config overrides")
@@ -338,13 +341,15 @@ def main(argv=None) -> int:
         if args.remove_data_node_at:
             harness.add_data_node()
         harness.watch(marker)
-        if args.baseline:
+        if args.baseline and not args.baseline_run:
             cfg = _cfg(args, args.name + "-baseline", [])
             t = time.time()
             train(cfg, log=lambda *_: None)
             result["baseline_wall_s"] = time.time() - t
+            args.baseline_run = cfg.run_uri
+        if args.baseline_run:
             result["baseline"] = {s: {"loss": r["loss"], "crc": (r.get("batch_crc32"), r.get("content_checksum"))}
-                                  for s, r in _records(cfg.run_uri).items()}
+                                  for s, r in _records(args.baseline_run).items()}
         cfg = _cfg(args, args.name, [])
         t = time.time()
         summary = train(cfg, log=lambda *_: None, inject={"events": events, "marker": marker})
@@ -360,7 +365,7 @@ def main(argv=None) -> int:
     finally:
         ray.shutdown()
         harness.down()
-    if args.baseline:
+    if args.baseline_run:
         b, c = result["baseline"], result["chaos"]
         result["same_batches"] = all(b[s]["crc"] == c[s]["crc"] for s in b) and set(b) == set(c)
         result["max_loss_diff"] = max(abs(b[s]["loss"] - c[s]["loss"]) for s in b)
@@ -373,7 +378,7 @@ def main(argv=None) -> int:
           + "; ".join(f"{r['signal']}@{r['step']}: resumed at step {r['resumed_from']} "
                       f"(lost {r['steps_lost']}), first step after {r['seconds_to_first_step']:.1f}s" for r in rec)
           + (f"; same batches: {result['same_batches']}, max |loss diff| {result['max_loss_diff']:.2e}"
-             if args.baseline else ""))
+             if args.baseline_run else ""))
     return 0
 
 
