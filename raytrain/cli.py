@@ -55,8 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"raytrain: error: {e}", file=sys.stderr)
         return getattr(e, "exit_status", 2)  # 3: an elastic run waited run.max_wait_for_capacity (docs/FAULT_TOLERANCE.md)
-    except KeyboardInterrupt:
-        print("raytrain: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:
+        print("raytrain: interrupted" + (f"; {e}" if str(e) else ""), file=sys.stderr)
         return 130
 
 

@@ -400,6 +400,8 @@ def _fit(trainer, cfg: Config, *, submitted: float, log: Callable[[str], None]) 
     try:
         with recorder, Relay(cfg.run_uri, log, submitted=submitted):
             trainer.fit()
+    except KeyboardInterrupt:
+        raise KeyboardInterrupt("the run's committed checkpoints are kept: the same command resumes it") from None
     except Exception as e:  # noqa: BLE001 - Ray wraps worker errors; surface ours as one line
         waited = _capacity_timeout(e)
         if waited is not None:

@@ -188,16 +188,40 @@ def test_a_node_reclaimed_with_notice_is_told_from_one_lost_without():
 
 # --- on a real cluster --------------------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_waiting_below_min_ends_after_max_wait_for_capacity_with_exit_status_3(ray_cluster, tiny_data, tmp_path):
-    """The session cluster has 4 CPUs: a run whose MIN needs 5 workers of 1 CPU waits, then ends with its line."""
-    cfg = tiny_cfg(tiny_data, tmp_path, "waits", "scaling.num_workers=[5,6]", "batch.global_batch_size=60",
-                   "run.max_wait_for_capacity=4")
+def test_waiting_below_min_ends_after_max_wait_with_exit_3_and_at_once_on_ctrl_c(ray_cluster, tiny_data, tmp_path):
+    """The session cluster has 4 CPUs: a run whose MIN needs 5 workers of 1 CPU waits, then ends with its line
+    (exit status 3). Submitted again without a limit, a Ctrl-C while it waits ends it within seconds (a
+    KeyboardInterrupt saying the checkpoints are kept: the CLI's exit 130), not when the wait would end (Ray's
+    control loop gives its event loop no turn while no group runs: the abort used to wait for capacity)."""
+    import os
+    import signal
+    import threading
+    import time
+
+    sizes = ("scaling.num_workers=[5,6]", "batch.global_batch_size=60")
     with pytest.raises(CapacityTimeout) as err:
-        train(cfg)
+        train(tiny_cfg(tiny_data, tmp_path, "waits", *sizes, "run.max_wait_for_capacity=2"))
     assert err.value.exit_status == 3 and "below scaling.num_workers' MIN 5" in str(err.value)
-    events = [json.loads(line) for line in (tmp_path / "waits" / "elastic.jsonl").read_text().splitlines()]
+    log = tmp_path / "waits" / "elastic.jsonl"
+    events = [json.loads(line) for line in log.read_text().splitlines()]
     assert [e["event"] for e in events] == ["submitted", "waiting", "ended"] and events[1]["min"] == 5
-    assert events[2]["ok"] is False and events[2]["time"] - events[1]["time"] >= 4
+    assert events[2]["ok"] is False and events[2]["time"] - events[1]["time"] >= 2
+
+    sent = []
+
+    def ctrl_c_while_waiting():  # (the run's handler is in place once the controller runs, before it waits)
+        while log.read_text().count('"waiting"') < 2:
+            time.sleep(0.2)
+        time.sleep(0.5)
+        sent.append(time.time())
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=ctrl_c_while_waiting, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt, match="checkpoints are kept: the same command resumes it"):
+        train(tiny_cfg(tiny_data, tmp_path, "waits", *sizes, "run.max_wait_for_capacity=60"))  # (bounded if not)
+    assert time.time() - sent[0] < 15
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [e["event"] for e in events[-3:]] == ["submitted", "waiting", "ended"] and events[-1]["ok"] is False
 
 
 @pytest.mark.slow
@@ -247,6 +271,19 @@ def test_a_run_shrinks_when_a_node_is_lost_and_grows_back_with_the_losses_of_an_
     assert [a["kind"] for a in g["attempts"]] == ["start", "restart", "resize"]
     assert [a["world_size"] for a in g["attempts"]] == [2, 1, 2]
     assert g["seconds"]["productive"] > 0 and g["seconds"]["restart/workers"] > 0 and g["seconds"]["resize/restore"] > 0
+
+
+def test_the_cli_exits_130_with_one_line_on_an_interrupted_run(monkeypatch, capsys):
+    import raytrain.commands.config as command
+    from raytrain.cli import main
+
+    def interrupted(args):
+        raise KeyboardInterrupt("the run's committed checkpoints are kept: the same command resumes it")
+
+    monkeypatch.setattr(command, "run", interrupted)
+    assert main(["config"]) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["raytrain: interrupted; the run's committed checkpoints are kept: the same command resumes it"]
 
 
 def test_the_cli_exits_3_with_one_line_when_a_run_waited_too_long(monkeypatch, capsys):

@@ -46,11 +46,12 @@ class Sizing:
     publish: Callable[[dict], None] = lambda event: None  # an event for the driver (raytrain/elastic/events.py)
     ask_checkpoint: Callable[[], Optional[int]] = lambda: None  # before a grow (raytrain/elastic/resize_request.py)
     clock: Callable[[], float] = time.time
-    pause: Callable[[float], None] = time.sleep
+    pause: Callable[[float], None] = time.sleep  # (defer_pauses: the caller sleeps, take_pause says how long)
     group_nodes: set = field(default_factory=set)  # nodes of the newest worker group
     first_seen: dict = field(default_factory=dict)  # node id -> when this controller first saw it alive
     gone: set = field(default_factory=set)  # nodes found lost: never counted again (a node id is one raylet's life)
     waiting_since: Optional[float] = None
+    deferred_s: float = 0.0  # a pause due, for a caller that sleeps without blocking its event loop
     drained: set = field(default_factory=set)  # of the nodes `lost` found gone, those Ray was draining
     growing: bool = False  # a grow was decided and its group not yet restarted
     last_look: float = float("-inf")
@@ -94,6 +95,18 @@ class Sizing:
             gone |= {n.id for n, ok in zip(ask, answers) if not ok}
         self.gone |= gone
         return gone
+
+    def defer_pauses(self) -> None:
+        """Pauses are left to the caller (take_pause), which sleeps where its event loop still serves calls."""
+        self.pause = self._defer
+
+    def _defer(self, seconds: float) -> None:
+        self.deferred_s = max(self.deferred_s, seconds)
+
+    def take_pause(self) -> float:
+        """The pause due since the last take (0.0: none)."""
+        seconds, self.deferred_s = self.deferred_s, 0.0
+        return seconds
 
     # --- decisions ---------------------------------------------------------------------------------------------
     def start_size(self) -> Optional[int]:

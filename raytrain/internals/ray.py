@@ -48,6 +48,13 @@ AUTH_CHECK = register(
     gain="the serving admin endpoints check Ray's own token the way Ray does",
     fallback="fails closed: admin requests need 'Authorization: Bearer <this machine's Ray token>'")
 
+CONTROLLER_YIELDS = register(
+    "ray.train.controller_yields", package="ray", written_for=V,
+    gain="a Ctrl-C (the Train controller's abort) ends an elastic run at once while it waits below MIN: Ray's control "
+         "loop never gives its event loop a turn while no worker group runs",
+    fallback="Ray's controller: a Ctrl-C while the run waits below MIN takes effect when capacity comes back or "
+             "run.max_wait_for_capacity ends the wait")
+
 ENV_KNOBS = register(
     "ray.internal_env", package="ray", written_for=V,
     gain="Ray-internal environment variables: Ray Train's worker poll at 0.5 s instead of 2 s (a dead worker and "
@@ -309,10 +316,68 @@ def elastic_trainer(trainer_cls: type, make_sizing, failure_config, token: str) 
         def _initialize_and_run_controller(self, **controller_init_kwargs):
             controller_init_kwargs["scaling_policy"] = RaytrainScaling(self.scaling_config)
             controller_init_kwargs["failure_policy"] = _failure_policy(sizing)(failure_config)
-            return super()._initialize_and_run_controller(**controller_init_kwargs)
+            controller = guarded(CONTROLLER_YIELDS, lambda: _yielding_controller(sizing), lambda: None)
+            if controller is None:
+                return super()._initialize_and_run_controller(**controller_init_kwargs)
+            return _run_controller(self, controller, controller_init_kwargs)
 
     ElasticTrainer.__name__ = ElasticTrainer.__qualname__ = trainer_cls.__name__
     return ElasticTrainer
+
+
+def _yielding_controller(sizing) -> type:
+    """Ray's TrainController whose loop gives its event loop a turn after every iteration, and takes the sizing's
+    pause below MIN there (asyncio.sleep) instead of in the decision (time.sleep): Ray's loop never awaits while no
+    worker group runs, so its abort() - a Ctrl-C in the driver - would wait until capacity came back."""
+    import asyncio
+
+    from ray.train.v2._internal.execution.controller import TrainController
+
+    class YieldingController(TrainController):
+        async def _run_control_loop_iteration(self):
+            s = sizing()
+            s.defer_pauses()
+            await super()._run_control_loop_iteration()
+            await asyncio.sleep(s.take_pause())
+
+    return YieldingController
+
+
+def _run_controller(trainer, controller_cls: type, controller_init_kwargs: dict):
+    """DataParallelTrainer._initialize_and_run_controller of Ray 2.60.0 with another controller class: the actor on
+    the driver's node, the environment Ray propagates; a Ctrl-C aborts it and raises KeyboardInterrupt."""
+    import signal
+    import threading
+
+    import ray
+    from ray.train.v2.api import data_parallel_trainer as dpt
+
+    env_vars = dpt.get_env_vars_to_propagate()
+    env_vars.setdefault(dpt.RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR,
+                        dpt.DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE)
+    here = {ray._raylet.RAY_NODE_ID_KEY: ray.get_runtime_context().get_node_id()}
+    actor_cls = ray.remote(num_cpus=0, label_selector=here, runtime_env={"env_vars": env_vars})(controller_cls)
+    controller = actor_cls.remote(**controller_init_kwargs)
+    if threading.current_thread() is not threading.main_thread():  # a Tune trial's thread: no signal handlers
+        ray.get(controller.run.remote())
+        return ray.get(controller.get_result.remote())
+
+    def interrupted(signum, frame):
+        # Ray's own handler exits 0 (or 1) in silence; a Ctrl-C here aborts the controller (its workers with it) and
+        # ends the command as an interrupt. A second Ctrl-C does not wait for the abort.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            ray.get(controller.abort.remote(), timeout=30)
+        except Exception:  # noqa: BLE001 - the controller exits inside abort(): its call fails by design
+            pass
+        raise KeyboardInterrupt
+
+    before = signal.signal(signal.SIGINT, interrupted)
+    try:
+        ray.get(controller.run.remote())
+        return ray.get(controller.get_result.remote())
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def _failure_policy(sizing) -> type:
