@@ -457,6 +457,53 @@ def instance_fits(shape: Shape, gpus: int, headroom: float, mb_cap: int, mb_fixe
     return rows
 
 
+def human_params(n: int) -> str:
+    """8030261248 -> 8.03B."""
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
+
+
+PLACEHOLDER = "s3://CHANGE-ME"  # where a written recipe's storage goes: the one edit it needs
+
+
+def recipe(plan: Plan, command: str) -> str:
+    """The plan's recommended setup as a recipe `raytrain train --config` takes (YAML with a header saying what was
+    planned): the size's shape, the ZeRO stage and offload, `micro_batch_size: auto` at the planned global batch,
+    checkpoints at the Young-Daly interval; storage and data under PLACEHOLDER, marked EDIT."""
+    import yaml
+
+    from raytrain.config import Config
+    from raytrain.elastic.size_table import snapshot_bytes
+
+    r = plan.recommended
+    if r is None:
+        raise UserError(f"nothing fits on {plan.gpus} x {plan.gpu}: no recipe to write (see the plan's table)")
+    tree = {"model": {**plan.shape, **({"activation_checkpointing": True} if r["activation_checkpointing"] else {})},
+            "data": {"train": f"{PLACEHOLDER}/data/corpus/train", "val": f"{PLACEHOLDER}/data/corpus/val"},
+            "batch": {"micro_batch_size": "auto", "gradient_accumulation_steps": None,
+                      "global_batch_size": r["global_batch_sequences"]},
+            "precision": {"dtype": "auto"},
+            "deepspeed": {"zero_stage": r["zero_stage"],
+                          **{k: r[k] for k in ("offload_optimizer", "offload_param") if r[k] != "none"}},
+            "scaling": {"num_workers": plan.gpus, "use_gpu": True},
+            "checkpoint": {"storage": f"{PLACEHOLDER}/runs", "every_n_steps": "auto"},
+            "run": {"name": f"{plan.family}-{plan.model}".replace(".", "_")}}
+    cfg = Config.model_validate(tree)  # what train will take, or a one-line error here rather than there
+    per_node = min(plan.gpus, plan.gpus_per_node)
+    snaps = snapshot_bytes(cfg, plan.gpus, plan.params) * per_node / GIB
+    host = next(o.host_gib_per_node for o in plan.options if o.strategy == r["strategy"])
+    head = [f"# {command}",
+            f"# Planned: {human_params(plan.params)} parameters with a vocabulary of {plan.assumptions['vocab']:,} (the "
+            f"prepared data's tokenizer sets it), {r['strategy']} on {plan.gpus} x {plan.gpu}, {plan.gpus_per_node} "
+            "per node; peak GPU memory "
+            f"~{r['memory_gib_per_gpu']:.1f} GiB of {plan.usable_gib:.1f} usable per GPU at micro-batch "
+            f"{r['micro_batch_size']} (auto measures it at the start); host memory per node ~{host + snaps:,.1f} GiB "
+            f"({host:,.1f} for the model and states, {snaps:,.1f} for the host-memory snapshots: "
+            "checkpoint.memory_every_n_steps=0 turns them off)",
+            f"# EDIT: {PLACEHOLDER} below (data.train, data.val: a prepared dataset; checkpoint.storage)"]
+    body = yaml.safe_dump(tree, sort_keys=False, default_flow_style=False)
+    return "\n".join(head) + "\n" + body
+
+
 def _overrides(o: Option, mb: int, acc: int, gpus: int, gpn: int) -> list[str]:
     out = [f"deepspeed.zero_stage={o.zero_stage}", f"batch.micro_batch_size={mb}",
            f"batch.gradient_accumulation_steps={acc}", f"scaling.num_workers={gpus}", "scaling.use_gpu=true"]

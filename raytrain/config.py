@@ -702,7 +702,21 @@ def reference_markdown() -> str:
     lines += ["## Retired keys", "", "Files and saved configs that hold them still load (the key is dropped with a",
               "warning); an override or search-space key naming one is an error.", "", "| key | why |", "| --- | --- |"]
     lines += [f"| `{k}` | {why} |" for k, why in RETIRED.items()] + [""]
-    return "\n".join(lines)
+    return "\n".join(lines + recipes_markdown())
+
+
+def recipes_markdown() -> list[str]:
+    """The shipped recipes (raytrain/recipes/), one row each: what its header says, the model, the workers."""
+    rows = ["## Shipped recipes", "", "`--config NAME` takes one of these (or a path to your own YAML); "
+            "`raytrain plan ... --write` writes one for a planned size.", "",
+            "| recipe | model | workers | ZeRO | what |", "| --- | --- | --- | --- | --- |"]
+    for path in sorted(RECIPES_DIR.glob("*.yaml")):
+        cfg = load_config(path.stem)
+        m = cfg.model
+        head = next((line[1:].strip() for line in path.read_text().splitlines() if line.startswith("#")), "")
+        rows.append(f"| `{path.stem}` | {m.family}, {m.n_layer} x {m.hidden_size}, seq {m.seq_len} | "
+                    f"`{cfg.scaling.num_workers}` | {cfg.deepspeed.zero_stage} | {head.removeprefix(path.stem + ': ')} |")
+    return rows + [""]
 
 
 def _reference_rows(prefix: str, cls: type[BaseModel]) -> list[str]:

@@ -119,6 +119,42 @@ def test_the_plan_prints_the_shape_as_overrides_that_build_its_parameter_count(c
         make_plan("1b", "tpu", 1)
 
 
+# The Llama recipes that ship are what `plan --write` writes for these plans (one source: the planner's size table).
+WRITTEN = [("llama-1b", ["--model", "1b", "--gpu", "a10g", "--gpus", "8", "--gpus-per-node", "1"]),
+           ("llama-8b", ["--model", "8b", "--gpu", "a100-80gb", "--gpus", "8", "--gpus-per-node", "8"]),
+           (None, ["--model", "124m", "--gpu", "a10g", "--gpus", "8", "--gpus-per-node", "1"])]
+
+
+@pytest.mark.parametrize("shipped,args", WRITTEN, ids=[a[1] for _, a in WRITTEN])
+def test_plan_write_gives_a_recipe_train_takes_with_the_planned_shape_and_memory(shipped, args, tmp_path, capsys):
+    """`plan ... --write r.yaml`: a recipe `raytrain config` resolves, with the size's shape (its parameter count the
+    planner's, built on the meta device), micro-batch and checkpoint interval `auto` at the planned global batch, and
+    a header with the planned GPU memory and the host memory per node including the snapshots. The shipped Llama
+    recipes are exactly what it writes for their plans."""
+    from pathlib import Path
+
+    from raytrain.capacity import shape_of
+
+    out = tmp_path / "r.yaml"
+    assert main(["plan", *args, "--write", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["config", "--config", str(out)]) == 0
+    cfg = load_config(str(out))
+    plan = make_plan(args[1], args[3], int(args[5]), gpus_per_node=int(args[7]))
+    assert shape_of(cfg.model, plan.assumptions["vocab"]).params == plan.params  # (the vocabulary: the data's)
+    assert cfg.batch.micro_batch_size == "auto" and cfg.checkpoint.every_n_steps == "auto"
+    assert cfg.batch.global_batch_size == plan.recommended["global_batch_sequences"]
+    assert cfg.deepspeed.zero_stage == plan.recommended["zero_stage"] and cfg.scaling.num_workers == int(args[5])
+    head = out.read_text().splitlines()[:3]
+    assert head[0] == "# raytrain plan " + " ".join(args) and "peak GPU memory" in head[1], head
+    assert "host memory per node" in head[1] and "host-memory snapshots" in head[1] and "EDIT" in head[2], head
+    assert f"vocabulary of {plan.assumptions['vocab']:,}" in head[1], head
+    if shipped:
+        recipe = Path(__file__).resolve().parents[1] / "raytrain" / "recipes" / f"{shipped}.yaml"
+        assert recipe.read_text() == out.read_text(), f"regenerate: raytrain plan {' '.join(args)} --write {recipe}"
+        assert load_config(shipped).run.name == shipped
+
+
 def test_host_memory_and_restore_reads_per_node_at_scale(capsys):
     # The issue's figures: ZeRO-3 without offload, 10B on one 8 x A100-80GB node and 70B on 512 H100s.
     assert main(["plan", "--json", "--model", "10b", "--gpu", "a100-80gb", "--gpus", "8"]) == 0

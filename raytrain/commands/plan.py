@@ -31,6 +31,9 @@ def add_parser(subparsers):
     pl.add_argument("--node-gbps", type=float, default=10.0, help="a node's bandwidth from checkpoint storage in "
                     "Gbit/s, for the restore time (default 10)")
     pl.add_argument("--json", action="store_true")
+    pl.add_argument("--write", metavar="RECIPE.yaml", default=None,
+                    help="also write the recommended setup as a recipe for `raytrain train --config` (storage and data "
+                         "marked EDIT)")
     return pl
 
 
@@ -46,7 +49,28 @@ def run(args) -> int:
                          vocab=args.vocab, price_on_demand=args.price_on_demand, price_spot=args.price_spot,
                          host_memory_gib=args.host_memory_gib, node_gbps=args.node_gbps)
     print(json.dumps(plan.to_dict(), indent=1) if args.json else format_plan(plan))
+    if args.write:
+        from raytrain.capacity import recipe
+
+        text = recipe(plan, _command(args))
+        with open(args.write, "w") as f:
+            f.write(text)
+        print(f"wrote {args.write}: raytrain config --config {args.write} shows it resolved", file=sys.stderr)
     return 0
+
+
+def _command(args) -> str:
+    """The plan's own command line (the flags that shape the recipe), for the written recipe's header."""
+    flags = [f"--model {args.model}", f"--gpu {args.gpu}", f"--gpus {args.gpus}",
+             f"--gpus-per-node {args.gpus_per_node}"]
+    for name in ("seq_len", "micro_batch", "vocab"):
+        if getattr(args, name) is not None:
+            flags.append(f"--{name.replace('_', '-')} {getattr(args, name)}")
+    if args.global_batch_tokens != 2**20:
+        flags.append(f"--global-batch-tokens {args.global_batch_tokens}")
+    if args.host_memory_gib != 1024.0:
+        flags.append(f"--host-memory-gib {args.host_memory_gib:g}")
+    return "raytrain plan " + " ".join(flags)
 
 
 def human(n: float) -> str:
