@@ -4,7 +4,7 @@ first and last anchored; readers merge them and `verify` says whether they are c
 
 On S3 the records live under the bucket's `audit/` prefix (`sealed`), where the roles that write them may create
 objects only (cluster/iam/: no delete, no overwrite); with S3 Object Lock in compliance mode the original version of
-every object survives any delete, and `verify` reads the versions (README, "Serve it": audit records).
+every object survives any delete, and `verify` reads the versions (docs/SERVING.md: audit records).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""An instruction set from what ships with Python, for the fine-tuning recipe (README, "Fine-tune on instructions").
+"""An instruction set from what ships with Python, for the fine-tuning recipe (docs/LIFECYCLE.md, "Instruction and chat fine-tuning").
 
 Each example: the prompt is a public function's module and signature, the completion the first paragraph of its
 docstring. Whole modules are held out (every 5th module by name hash), so held-out loss measures generalisation

@@ -84,12 +84,13 @@ def calibration(path: str) -> dict:
         replay = json.load(f)
     run = next(r for r in replay["runs"] if r["label"] == "elastic")
     g = run["ledger"]
-    per_size: dict[int, list[float]] = {}
+    per_size: dict[int, list[float]] = {}  # [seconds, steps] of the attempts at each size
     gaps: dict[str, list[float]] = {}
     for a in g["attempts"]:
         if a.get("steps"):
-            per_size.setdefault(int(a["world_size"]), []).append(
-                (a["productive"] + a["data_wait"] + a["checkpoint_stall"] + a.get("evaluation", 0.0)) / a["steps"])
+            acc = per_size.setdefault(int(a["world_size"]), [0.0, 0])
+            acc[0] += a["productive"] + a["data_wait"] + a["checkpoint_stall"] + a.get("evaluation", 0.0)
+            acc[1] += a["steps"]
         gaps.setdefault(a["kind"], []).append(a["gap_s"])
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     # The shortest gap of each kind: a longer one spans a wait or a group that failed before its first step, which
@@ -102,7 +103,9 @@ def calibration(path: str) -> dict:
         elif e.get("joined") and since is not None:
             joins.append(e["time"] - since)
             since = e["time"]
-    return {"step_s": {n: mean(v) for n, v in per_size.items()}, "start_s": mean(gaps["start"]),
+    # Per size, seconds over steps of all its attempts: an attempt of a few steps (a spell that ended soon after
+    # the group started) weighs what its steps weigh, not as much as one that trained for minutes.
+    return {"step_s": {n: t / k for n, (t, k) in per_size.items()}, "start_s": mean(gaps["start"]),
             "restart_s": restart, "resize_s": min(gaps.get("resize") or [restart]),
             "join_s": mean(joins) if joins else 0.0}
 

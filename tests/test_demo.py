@@ -80,9 +80,9 @@ def test_demo_from_an_empty_home_creates_a_token_and_prints_a_short_clean_log(de
 
 
 def test_the_finetune_recipe_lowers_held_out_loss_and_leaves_a_merged_model(demo):
-    # README's second recipe, after the demo as a user runs it: the demo's export as the base, the instruction set
+    # The fine-tuning recipe of docs/LIFECYCLE.md, after the demo as a user runs it: the demo's export as the base, the instruction set
     # from the standard library, a LoRA fine-tune as a `ray job submit` job, the merged export. Fewer steps than
-    # the recipe's 60 (an override, as the README shows).
+    # the recipe's 60 (an override, as the docs show).
     tmp_path, env, demo_out = demo
     assert demo_out.returncode == 0, "the demo failed; see test_demo_from_an_empty_home..."
     env = {**env, "RAYTRAIN_FT_DATA": str(tmp_path / "data"), "RAYTRAIN_FT_MODELS": str(tmp_path / "models")}

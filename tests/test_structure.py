@@ -83,11 +83,12 @@ def test_run_directory_doc_is_current():
     assert doc.read_text() == reference_markdown(), "regenerate: python -m raytrain.rundir > docs/RUN_DIRECTORY.md"
 
 
-def test_readme_layout_table_matches_the_tree():
-    """Every path the Layout table names exists, and every module and package of raytrain/ is in it."""
+def test_architecture_layout_table_matches_the_tree():
+    """Every path docs/ARCHITECTURE.md's Layout table names exists, and every module and package of raytrain/ is in
+    it."""
     import re
 
-    text = (ROOT / "README.md").read_text().split("## Layout", 1)[1].split("\n## ", 1)[0]
+    text = (ROOT / "docs" / "ARCHITECTURE.md").read_text().split("## Layout", 1)[1].split("\n## ", 1)[0]
     named: set[Path] = set()
     for row in (r for r in text.splitlines() if r.startswith("| `")):
         cell = row.split("|")[1]
@@ -96,7 +97,7 @@ def test_readme_layout_table_matches_the_tree():
         base = first if first.is_dir() else first.parent  # where the row's other names are
         for i, path in enumerate(paths):
             p = ROOT / path if i == 0 or (ROOT / path).exists() else base / path
-            assert p.exists(), f"README Layout names {path}, which is not in the tree"
+            assert p.exists(), f"docs/ARCHITECTURE.md's Layout names {path}, which is not in the tree"
             named.add(p.resolve())
         for sub in re.findall(r"`([a-z_]+\.py)`", row.split("|")[2]):  # modules named in the description
             if (base / sub).exists():
@@ -104,7 +105,7 @@ def test_readme_layout_table_matches_the_tree():
     mine = [p for p in PACKAGE.iterdir() if (p.suffix == ".py" and p.name not in ("__init__.py", "__main__.py"))
             or (p.is_dir() and (p / "__init__.py").exists())]
     missing = [str(p.relative_to(ROOT)) for p in mine if p.resolve() not in named]
-    assert not missing, f"README Layout does not mention {missing}"
+    assert not missing, f"docs/ARCHITECTURE.md's Layout does not mention {missing}"
 
 
 def test_the_test_extra_holds_every_other_extra():

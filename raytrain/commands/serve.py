@@ -37,7 +37,7 @@ def add_parser(subparsers):
     sv.add_argument("--cpus-per-replica", type=float, default=1)
     sv.add_argument("--max-batch-size", type=int, default=8, help="Serve dynamic batching: requests per batch")
     sv.add_argument("--chat-template", choices=("default", "none"), default="default", help="for models without a "
-                    "chat template: raytrain's default (README) or none (/v1/chat/completions answers 400)")
+                    "chat template: raytrain's default (docs/SERVING.md) or none (/v1/chat/completions answers 400)")
     sv.add_argument("--metrics-port", type=int, default=None, help="local Ray only: Prometheus metrics on this port")
     sv.add_argument("--ready-file", default=None, help="write {url, stable, canary} here once serving (for scripts)")
     sv.add_argument("--audit", default=None, metavar="URI", help="where the deployment's audit records go (deploy, "

@@ -8,7 +8,7 @@ its last use by this rank, then goes: the cache holds about one unit per lane pl
 
 Why pyarrow here and not Ray Data: a rank reads a handful of whole units, in an order the plan fixes; Ray
 Data's per-epoch pipeline start-up (3-27 s measured on 2 cores with the reader this one replaced, see
-docs/BENCHMARKS.md) and its completion-order output buy nothing for that, and each unit is one sequential
+docs/BENCHMARKS_HISTORY.md) and its completion-order output buy nothing for that, and each unit is one sequential
 read that pyarrow decodes in C++.
 
 `read_rows` is the same unit reader for tools that want rows in the split's own order (validation, `raytrain

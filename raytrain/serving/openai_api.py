@@ -20,7 +20,7 @@ from raytrain.serving.fields import RequestError, bool_field, int_field, number_
 DEFAULT_NEW_TOKENS = 16
 MAX_TOP_LOGPROBS = 20
 MAX_N = 16
-# raytrain's default chat template (README "Serve it"): `role: content` lines, then `assistant:` to answer.
+# raytrain's default chat template (docs/SERVING.md): `role: content` lines, then `assistant:` to answer.
 # `raytrain export` writes it into every exported tokenizer; `raytrain serve --chat-template none` turns the
 # fallback off for models that carry none.
 DEFAULT_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
