@@ -30,7 +30,8 @@ METRICS = _file("metrics.jsonl", "one record per log, evaluation, checkpoint and
 SUMMARY = _file("summary.json", "the finished run's figures (losses, throughput, restarts, preemptions, "
                 "health, data counters, final checkpoint)", "rank 0, at the end")
 ATTEMPTS = _file("attempts.jsonl", "one line per (re)start: resumed step, world size, start-up phases, the "
-                 "controller's restart phases, the previous attempt's progress", "rank 0, after its first step")
+                 "controller's restart phases, the previous attempt's progress, the first step's memory (measured, "
+                 "planned)", "rank 0, after its first step")
 PROGRESS = _file("progress.json", "the heartbeat: step reached, when, stalled or moving", "rank 0's heartbeat thread")
 RESTORES = _file("restores.jsonl", "one line per restore: source (memory:local, memory:peer, memory:resize or storage), step, "
                  "checkpoint, verdict, bytes read per node", "rank 0")

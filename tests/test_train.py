@@ -124,6 +124,10 @@ def test_two_worker_zero2_loss_falls_and_checkpoints_hold_every_rank(baseline):
     state = json.loads(storage.read_text(f"{ckpt}/raytrain_state.json"))
     assert state["step"] == 12 and state["samples_seen"] == 12 * state["global_batch"]
     assert storage.exists(f"{run}/summary.json") and storage.exists(f"{run}/config.yaml")
+    # The first step's memory, measured against what was planned for it (on CPU: the process's resident memory,
+    # which also holds the runtime the plan leaves out).
+    mem = RunDir(run).read_jsonl(ATTEMPTS)[0]["first_step_memory"]
+    assert mem["device"] == "host" and mem["measured_gib"] > mem["planned_gib"] > 0, mem
 
 
 def test_crashed_worker_resumes_with_identical_losses(ray_cluster, tiny_data, tmp_path, mix_data, mix_baseline):

@@ -48,7 +48,7 @@ from raytrain.worker.host_reads import StepProbe
 from raytrain.worker.preemption import PreemptionNotice
 from raytrain.worker.records import RecordWriter
 from raytrain.worker.runlog import Attempt, RunLog, progress_every
-from raytrain.worker.telemetry import Telemetry, Window, oom_guard
+from raytrain.worker.telemetry import Telemetry, Window, first_step_memory, oom_guard
 from raytrain.worker.trackers import Trackers
 from raytrain.worker.verdict import StepAgreement, StepVerdict
 
@@ -130,7 +130,7 @@ class WorkerRun:
         # What this attempt's snapshots carry (the first attempt's start is its own, as attempts.jsonl will say).
         self.run_records = {"run_started": round(self.t_start, 3) if started is None else started, "attempts": earlier_attempts}
         self.notice = PreemptionNotice(rank, enabled=cfg.checkpoint.on_preemption, run_uri=cfg.run_uri,
-                                       leave=loop_config.get("elastic", False))  # (cfg is this size's: not a range)
+                                       leave=loop_config.get("elastic", False), watch=cfg.checkpoint.watch_notices)
         self.agreement = StepAgreement(notice=self.notice, cadence=self.cadence, rank=rank, world=world,
                                        device=self.device, snapshots=self.memory.interval,
                                        copies=world // self.dp_size, accumulation=cfg.accumulation)
@@ -270,10 +270,15 @@ class WorkerRun:
         throughput, and every later window's step time then covers exactly its own steps."""
         done = time.time()  # the first step's end: no storage request before it
         host_heap.steady(zero_stage=self.cfg.deepspeed.zero_stage, dp_size=self.dp_size)
+        memory = None
+        if self.rank == 0:  # measured against planned, once an attempt (a resize's micro-batch is another)
+            memory = first_step_memory(self.cfg, n_params=self.n_params, cuda=self.cuda,
+                                       vocab=self.engine.module.config.vocab_size)
+            say(memory.pop("line"))
         self._open_records()
         if not self._due(self.state.step)[0]:
             self.window.reset()
-        self.attempt.stepped(done)
+        self.attempt.stepped(done, memory=memory)
 
     def _open_records(self) -> None:
         """After the attempt's first step: what start-up would otherwise read and write in storage between a fault

@@ -362,9 +362,9 @@ class Attempt:
         if not self.first:
             self.beat.beat(step)
 
-    def stepped(self, done: float) -> None:
+    def stepped(self, done: float, *, memory: Optional[dict] = None) -> None:
         """After the attempt's first step, done at `done`, and the storage work start-up deferred past it: the
-        attempt's record, its heartbeat."""
+        attempt's record (with the first step's memory, measured and planned), its heartbeat."""
         if not self.first:
             return
         self.first = False
@@ -375,7 +375,8 @@ class Attempt:
             previous = self.beat.read_previous()  # before this attempt's own first beat replaces it
             rec = {**self.rec, **({"previous_progress": previous} if previous else {}),
                    "first_step_time": round(done, 3), "records_opened_time": round(now, 3),
-                   "startup_s": {k: round(v - self.t_start, 3) for k, v in self.boot.items()}}
+                   "startup_s": {k: round(v - self.t_start, 3) for k, v in self.boot.items()},
+                   **({"first_step_memory": memory} if memory else {})}
             ctl = restart_phases.read(self.run_uri)  # the controller's side: fault seen, group torn down, group up
             if ctl and self.t_start - 120 <= ctl.get("train_fn_started", 0) <= self.t_start + 5:  # this group's
                 rec["controller"] = ctl

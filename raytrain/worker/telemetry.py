@@ -102,6 +102,24 @@ def device_memory(cuda: bool) -> dict:
     return m
 
 
+def first_step_memory(cfg: Config, *, n_params: int, vocab: int, cuda: bool) -> dict:
+    """What the first step used against what was planned for it (raytrain/sweep/memory_estimate.py, the estimate
+    `micro_batch_size: auto` and `raytrain plan` size by): on GPU the peak allocated memory, on CPU the process's
+    resident memory, which also holds the Python and torch runtime the estimate leaves out. GiB; one line to say."""
+    from raytrain.sweep.memory_estimate import estimate_mb
+
+    est = estimate_mb(cfg, vocab, n_params)
+    m = device_memory(cuda)
+    measured = m["gpu_mem_peak_gb"] if cuda else m["host_rss_gb"]
+    planned = est["total_mb"] / 1024
+    what = "GPU peak allocated" if cuda else "host resident (with the Python and torch runtime)"
+    line = (f"[raytrain] memory at the first step: {what} {measured:.2f} GiB per rank, planned {planned:.2f} GiB "
+            f"(model states {est['model_states_mb'] / 1024:.2f} + activations {est['activations_mb'] / 1024:.2f}, "
+            f"micro-batch {cfg.batch.micro_batch_size})" + (f": {measured / planned:.0%} of the plan" if cuda else ""))
+    return {"device": "gpu" if cuda else "host", "measured_gib": round(measured, 3), "planned_gib": round(planned, 3),
+            "line": line}
+
+
 class PhaseTimer:
     """Seconds per phase since the last log step.
 
