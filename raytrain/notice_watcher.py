@@ -239,6 +239,57 @@ def detect(base: Optional[str] = None) -> Optional[object]:
     return None
 
 
+NODE_PID_FILE = "/home/ray/notice-watcher/watcher.pid"  # where the VM configs start a node's own watcher
+
+
+def cloud_hint(root: str = "/sys") -> Optional[str]:
+    """The cloud this machine's firmware names (its DMI strings, as cloud-init reads them): aws, gcp, azure or None,
+    without a network request - off a cloud, nothing is asked of a link-local metadata address."""
+    def read(path: str) -> str:
+        try:
+            with open(os.path.join(root, path)) as f:
+                return f.read().strip()
+        except OSError:
+            return ""
+
+    vendor, product, bios = (read(f"class/dmi/id/{k}") for k in ("sys_vendor", "product_name", "bios_vendor"))
+    if "Amazon" in vendor or "Amazon" in bios or read("hypervisor/uuid").lower().startswith("ec2"):
+        return "aws"
+    if "Google" in vendor or product == "Google Compute Engine":
+        return "gcp"
+    if vendor == "Microsoft Corporation" and product == "Virtual Machine":
+        return "azure"
+    return None
+
+
+def detect_here() -> Optional[object]:
+    """This node's metadata endpoint for the in-run watcher: RAYTRAIN_METADATA_URL's (drills, tests), else that of the
+    cloud the firmware names, if it answers; None anywhere else."""
+    url = os.environ.get(URL_ENV)
+    if url:
+        return detect(url)
+    cloud = cloud_hint()
+    if cloud is None:
+        return None
+    md = {"aws": Aws, "gcp": Gcp, "azure": Azure}[cloud]()
+    try:
+        md.market()
+        return md
+    except Unreadable:
+        return None
+
+
+def node_watcher_running(pid_file: str = NODE_PID_FILE) -> bool:
+    """Whether this node's own watcher (started by the VM configs) is alive: the pid in its file runs this module (a
+    pid the system gave to another process since does not count)."""
+    try:
+        pid = int(open(pid_file).read().strip())
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"raytrain.notice_watcher" in f.read().split(b"\0")
+    except (OSError, ValueError):
+        return False
+
+
 def drain_command(deadline_s: float, message: str, address: Optional[str], node_id: Optional[str] = None) -> list[str]:
     """`ray drain-node` of this node (or `node_id`: several Ray nodes on one machine, as in drills) with reason
     PREEMPTION and the seconds left (at least 1)."""

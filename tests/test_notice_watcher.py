@@ -174,6 +174,9 @@ def test_each_vm_config_starts_one_watcher_on_every_worker_after_ray(fake, confi
     try:
         assert [o.returncode for o in outs] == [0, 0] and "already running" in outs[1].stdout, outs
         assert f"pid {pid}" in outs[0].stdout and f"pid {pid}" in outs[1].stdout
+        # The in-run fallback (checkpoint.watch_notices) finds it where the configs put it, and stays off.
+        assert f"--detach {nw.NODE_PID_FILE}" in " ".join((c for c in cmds if "raytrain.notice_watcher" in c))
+        assert nw.node_watcher_running(str(tmp_path / "watcher.pid"))
     finally:
         os.kill(pid, signal.SIGTERM)
 
@@ -188,3 +191,32 @@ def test_the_drain_is_rays_own_command_for_this_node_or_the_one_named():
     for opt in ("--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "--deadline-remaining-seconds",
                 "--address", "--node-id"):
         assert opt in help_, opt
+
+
+@pytest.mark.parametrize("fake", ["aws"], indirect=True)
+def test_the_in_run_fallback_asks_no_metadata_endpoint_off_a_cloud(fake, tmp_path, monkeypatch):
+    """The fallback a run's local rank 0 starts (raytrain/worker/node_notices.py) looks for an endpoint only where the
+    firmware names a cloud (DMI, no request) or RAYTRAIN_METADATA_URL is set: off a cloud it asks nothing of a
+    link-local address. A pid file whose process is not a watcher does not count as the node's own watcher."""
+    def dmi(name: str, **files) -> str:
+        for key, value in files.items():
+            path = tmp_path / name / ("hypervisor/uuid" if key == "uuid" else f"class/dmi/id/{key}")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(value + "\n")
+        return str(tmp_path / name)
+
+    assert nw.cloud_hint(dmi("a", sys_vendor="Amazon EC2", product_name="g5.xlarge")) == "aws"
+    assert nw.cloud_hint(dmi("x", uuid="ec2e1916-9099-7caf-fd21-012345abcdef")) == "aws"  # older Xen instances
+    assert nw.cloud_hint(dmi("g", sys_vendor="Google", product_name="Google Compute Engine")) == "gcp"
+    assert nw.cloud_hint(dmi("z", sys_vendor="Microsoft Corporation", product_name="Virtual Machine")) == "azure"
+    assert nw.cloud_hint(dmi("q", sys_vendor="QEMU", product_name="Standard PC")) is None
+    assert nw.cloud_hint(str(tmp_path / "nothing")) is None
+    monkeypatch.delenv(nw.URL_ENV, raising=False)
+    monkeypatch.setattr(nw, "cloud_hint", lambda root="/sys": None)
+    monkeypatch.setattr(nw, "_http", lambda *a, **k: pytest.fail(f"a metadata request off a cloud: {a}"))
+    assert nw.detect_here() is None
+    monkeypatch.undo()
+    monkeypatch.setenv(nw.URL_ENV, fake.url)
+    assert nw.detect_here().cloud == "aws"
+    (tmp_path / "pid").write_text(str(os.getpid()))  # alive, but pytest, not a watcher
+    assert not nw.node_watcher_running(str(tmp_path / "pid")) and not nw.node_watcher_running(str(tmp_path / "no"))

@@ -21,6 +21,7 @@ from raytrain.errors import first_line
 from raytrain.internals.registry import fell_back, gate
 from raytrain.internals.ray import PREEMPTION_INFO, local_preemption_info
 from raytrain.console import say
+from raytrain.worker.node_notices import NodeNotices
 
 
 # After a grow's checkpoint the ranks wait this long for the controller to tear the group down (steps trained meanwhile
@@ -39,7 +40,8 @@ class NoticeLeave(RuntimeError):
 
 
 class PreemptionNotice:
-    def __init__(self, rank: int, *, enabled: bool = True, run_uri: Optional[str] = None, leave: bool = False):
+    def __init__(self, rank: int, *, enabled: bool = True, run_uri: Optional[str] = None, leave: bool = False,
+                 watch: bool = False):
         self.rank, self.enabled, self.leave = rank, enabled, leave
         self.pending: Optional[str] = None
         self._info_broken = False
@@ -54,6 +56,8 @@ class PreemptionNotice:
         from raytrain.elastic.resize_request import Listener
 
         self.grow_requests = Listener(run_uri or "", self.requested, enabled=enabled and rank == 0 and run_uri is not None)
+        # The cloud's reclaim notice where no node watcher turns it into a drain (checkpoint.watch_notices).
+        self.node_notices = NodeNotices(enabled=enabled and watch)
 
     def committed(self, step: int) -> None:
         """The notice's checkpoint is committed at `step`: a controller waiting to grow is told."""
@@ -62,6 +66,7 @@ class PreemptionNotice:
 
     def close(self) -> None:
         self.grow_requests.close()
+        self.node_notices.close()
 
     def _install_sigterm_handler(self) -> None:
         # The train function runs in a thread, and Python lets only the main thread set signal handlers.
