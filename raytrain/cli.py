@@ -58,6 +58,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as e:
         print("raytrain: interrupted" + (f"; {e}" if str(e) else ""), file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader went away (`raytrain config | head`): as other commands in a pipe, no traceback. stdout now goes
+        # to /dev/null, or Python's flush at exit raises the same error again.
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for a command a pipe's reader closed
 
 
 if __name__ == "__main__":

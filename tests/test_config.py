@@ -151,3 +151,15 @@ def test_the_readmes_error_example_is_what_raytrain_prints(capsys):
     assert main(["config", "--config", "tiny", "no.such.key=1"]) == 2
     line = capsys.readouterr().err.strip()
     assert line in (Path(__file__).parent.parent / "README.md").read_text(), line
+
+
+def test_a_command_whose_reader_goes_away_ends_without_a_traceback():
+    """`raytrain config --reference | head -1`: the pipe's reader has gone when the command writes (here: its read
+    end closed before the start); no BrokenPipeError traceback, exit 141 (128 + SIGPIPE)."""
+    code = ("import os, sys\n"
+            "r, w = os.pipe(); os.close(r); os.dup2(w, 1)\n"
+            "from raytrain.cli import main\n"
+            "sys.exit(main(['config', '--reference']))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.returncode == 141, (proc.returncode, proc.stderr[-500:])
