@@ -159,7 +159,8 @@ def test_asha_lr_sweep_stops_a_trial_early(ray_cluster, tiny_data, tmp_path, mon
     args = [*_data(tiny_data), *TINY, f"storage={tmp_path}", "name=asha", "budget.max_steps=6",
             "budget.num_samples=3", "scheduler.grace_period=2", "trial_overrides.run.eval_every=2",
             "trial_overrides.run.log_every=2", "trial_overrides.checkpoint.every_n_steps=100",
-            "space.optim.warmup_steps={choice: [0, 4, 30]}"]
+            "space.optim.warmup_steps={choice: [0, 4, 30]}",
+            "resources.max_concurrent=1"]  # the seeded trials one after another: ASHA sees them in the same order
     assert main(["tune", "--config", "tune_configs/lr_warmup_asha.yaml", *args]) == 0
     res = json.loads((tmp_path / "asha" / "results.json").read_text())
     trials = res["trials"]
