@@ -227,9 +227,12 @@ def _http_date(value, what: str) -> float:
         raise Unreadable(f"{what}: {value!r} is not a time") from None
 
 
-def detect(base: Optional[str] = None) -> Optional[object]:
-    """This node's cloud from its metadata endpoint (AWS, GCP, Azure, asked in that order), or None."""
+def detect(base: Optional[str] = None, only: Optional[str] = None) -> Optional[object]:
+    """This node's cloud from its metadata endpoint (AWS, GCP, Azure, asked in that order; `only`: that cloud's
+    alone), or None."""
     for cls, default in ((Aws, AWS), (Gcp, GCP), (Azure, AZURE)):
+        if only is not None and cls.cloud != only:
+            continue
         md = cls(base or default)
         try:
             md.market()
@@ -269,14 +272,7 @@ def detect_here() -> Optional[object]:
     if url:
         return detect(url)
     cloud = cloud_hint()
-    if cloud is None:
-        return None
-    md = {"aws": Aws, "gcp": Gcp, "azure": Azure}[cloud]()
-    try:
-        md.market()
-        return md
-    except Unreadable:
-        return None
+    return None if cloud is None else detect(only=cloud)
 
 
 def node_watcher_running(pid_file: str = NODE_PID_FILE) -> bool:
